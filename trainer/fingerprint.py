@@ -1,0 +1,31 @@
+"""A number identifying the set of token sequences trained on in a step.
+
+Each sequence hashes to a 64-bit integer (a weighted sum of its tokens with fixed pseudo-random
+weights, wrapping modulo 2**64); a step's fingerprint is the wrapping sum over its sequences. The sum
+does not depend on the order of sequences, so it is the same however a global batch is split across
+ranks and micro-batches, and it is cheap enough to compute for every step on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_WEIGHTS: dict[int, torch.Tensor] = {}
+
+
+def _weights(length: int) -> torch.Tensor:
+    if length not in _WEIGHTS:
+        g = torch.Generator().manual_seed(0x5EED)
+        _WEIGHTS[length] = torch.randint(1, 2**31 - 1, (length,), generator=g, dtype=torch.int64) * 2 + 1
+    return _WEIGHTS[length]
+
+
+def sequence_fingerprint(inputs: torch.Tensor, labels: torch.Tensor) -> int:
+    """Wrapping sum of per-sequence hashes of [input tokens..., last label] for a [B, S] batch."""
+    seqs = torch.cat([inputs.cpu(), labels.cpu()[:, -1:]], dim=1).to(torch.int64) + 1
+    w = _weights(seqs.shape[1])
+    per_seq = (seqs * w).sum(dim=1)
+    # Mix the per-sequence values so that equal token multisets in different sequences differ.
+    per_seq = per_seq * 0x9E3779B1 + (per_seq >> 29)
+    total = int(per_seq.sum().item())
+    return (total + 2**63) % 2**64 - 2**63  # a signed int64, as collectives carry it

@@ -1,0 +1,94 @@
+"""Configuration of the Llama family of decoder-only transformers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1-style RoPE frequency scaling ("rope_type": "llama3" in HF configs).
+
+    Frequencies whose wavelength is shorter than
+    ``original_max_position_embeddings / high_freq_factor`` are kept, those whose
+    wavelength is longer than ``original_max_position_embeddings / low_freq_factor``
+    are divided by ``factor``, and the band in between is interpolated smoothly.
+    """
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.factor <= 0:
+            raise ValueError(f"rope scaling factor must be positive, got {self.factor}")
+        if not self.high_freq_factor > self.low_freq_factor > 0:
+            raise ValueError(
+                "rope scaling needs high_freq_factor > low_freq_factor > 0, got "
+                f"high_freq_factor={self.high_freq_factor}, low_freq_factor={self.low_freq_factor}"
+            )
+        if self.original_max_position_embeddings <= 0:
+            raise ValueError("original_max_position_embeddings must be positive")
+
+
+@dataclass
+class LlamaModelArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    # None = n_heads (multi-head attention); fewer = grouped-query attention.
+    n_kv_heads: int | None = None
+    # -1: taken from the tokenizer at build time (see ``build_llama``).
+    vocab_size: int = -1
+    # SwiGLU hidden size is rounded up to a multiple of this.
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    # Length of the precomputed RoPE table; a trainer may lower it to its seq_len.
+    max_seq_len: int = 4096
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, dict):  # e.g. coming from a TOML/JSON config
+            self.rope_scaling = RopeScaling(**self.rope_scaling)
+        if self.dim <= 0 or self.n_layers < 0 or self.n_heads <= 0:
+            raise ValueError(
+                f"invalid model shape: dim={self.dim}, n_layers={self.n_layers}, n_heads={self.n_heads}"
+            )
+        if self.dim % self.n_heads != 0:
+            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
+        kv = self.num_kv_heads
+        if kv <= 0 or self.n_heads % kv != 0:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({kv})")
+        if self.multiple_of <= 0:
+            raise ValueError(f"multiple_of must be positive, got {self.multiple_of}")
+        if self.max_seq_len <= 0:
+            raise ValueError(f"max_seq_len must be positive, got {self.max_seq_len}")
+        if self.vocab_size == 0 or self.vocab_size < -1:
+            raise ValueError(f"vocab_size must be positive or -1 (from tokenizer), got {self.vocab_size}")
+
+    @property
+    def num_kv_heads(self) -> int:
+        """Number of key/value heads with the ``None`` default resolved."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """SwiGLU hidden size, following Meta's reference implementation.
+
+        ``hidden = int(2 * (4 * dim) / 3)``, then ``int(ffn_dim_multiplier * hidden)`` if a
+        multiplier is set, then rounded up to a multiple of ``multiple_of``.
+        """
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)

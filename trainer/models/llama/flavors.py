@@ -1,0 +1,137 @@
+"""Named Llama configurations.
+
+Published shapes follow Meta's ``params.json`` / the Hugging Face ``config.json`` files:
+
+* Llama 2 (7B/13B/70B): vocab 32000, rope_theta 1e4, 4096 context; 70B uses 8 kv heads,
+  ``ffn_dim_multiplier=1.3``, ``multiple_of=4096`` (hidden 28672).
+* Llama 3.1 (8B/70B/405B): vocab 128256, rope_theta 5e5, 8 kv heads, Llama 3.1 RoPE
+  scaling (factor 8, low 1, high 4, original context 8192), 131072 context.
+* Llama 3.2 (1B/3B): as Llama 3.1 but RoPE scaling factor 32 and tied embeddings.
+
+``max_seq_len`` is the published context length; it only sets the length of the
+precomputed RoPE table, so a trainer normally lowers it to its training sequence length
+(``dataclasses.replace(args, max_seq_len=seq_len)`` or ``build_llama(..., max_seq_len=)``).
+"""
+
+from __future__ import annotations
+
+from .args import LlamaModelArgs, RopeScaling
+
+_LLAMA31_SCALING = RopeScaling(
+    factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
+_LLAMA32_SCALING = RopeScaling(
+    factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
+
+LLAMA_FLAVORS: dict[str, LlamaModelArgs] = {
+    # Tiny model for CPU runs and tests. head_dim 16; 16 query / 4 kv heads (GQA) so tensor
+    # parallel degrees 2 and 4 divide both; every Linear dim (256, 64, 768, vocab from a
+    # ~2048-token tokenizer) is a multiple of 16 even after TP-4 sharding, as float8 needs.
+    "debugmodel": LlamaModelArgs(
+        dim=256,
+        n_layers=6,
+        n_heads=16,
+        n_kv_heads=4,
+        vocab_size=-1,
+        multiple_of=256,  # ffn hidden 768
+        rope_theta=500000.0,
+        max_seq_len=2048,
+    ),
+    "llama2_7b": LlamaModelArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        vocab_size=32000,
+        multiple_of=256,  # ffn hidden 11008
+        rope_theta=10000.0,
+        max_seq_len=4096,
+    ),
+    "llama2_13b": LlamaModelArgs(
+        dim=5120,
+        n_layers=40,
+        n_heads=40,
+        vocab_size=32000,
+        multiple_of=256,  # ffn hidden 13824
+        rope_theta=10000.0,
+        max_seq_len=4096,
+    ),
+    "llama2_70b": LlamaModelArgs(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        vocab_size=32000,
+        multiple_of=4096,
+        ffn_dim_multiplier=1.3,  # ffn hidden 28672
+        rope_theta=10000.0,
+        max_seq_len=4096,
+    ),
+    # Llama 3.2 1B
+    "llama3_1b": LlamaModelArgs(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=256,
+        ffn_dim_multiplier=1.5,  # ffn hidden 8192
+        rope_theta=500000.0,
+        rope_scaling=_LLAMA32_SCALING,
+        max_seq_len=131072,
+        tie_word_embeddings=True,
+    ),
+    # Llama 3.2 3B
+    "llama3_3b": LlamaModelArgs(
+        dim=3072,
+        n_layers=28,
+        n_heads=24,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=256,
+        ffn_dim_multiplier=1.0,  # ffn hidden 8192
+        rope_theta=500000.0,
+        rope_scaling=_LLAMA32_SCALING,
+        max_seq_len=131072,
+        tie_word_embeddings=True,
+    ),
+    # Llama 3.1 8B
+    "llama3_8b": LlamaModelArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=1024,
+        ffn_dim_multiplier=1.3,  # ffn hidden 14336
+        rope_theta=500000.0,
+        rope_scaling=_LLAMA31_SCALING,
+        max_seq_len=131072,
+    ),
+    # Llama 3.1 70B
+    "llama3_70b": LlamaModelArgs(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=4096,
+        ffn_dim_multiplier=1.3,  # ffn hidden 28672
+        rope_theta=500000.0,
+        rope_scaling=_LLAMA31_SCALING,
+        max_seq_len=131072,
+    ),
+    # Llama 3.1 405B
+    "llama3_405b": LlamaModelArgs(
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=4096,
+        ffn_dim_multiplier=1.2,  # ffn hidden 53248
+        rope_theta=500000.0,
+        rope_scaling=_LLAMA31_SCALING,
+        max_seq_len=131072,
+    ),
+}

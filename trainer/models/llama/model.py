@@ -1,0 +1,339 @@
+"""Llama-style decoder-only transformer (Llama 2 / Llama 3.x shapes).
+
+Parameter names follow Meta's reference implementation (``tok_embeddings``,
+``layers.<i>.attention.wq`` ..., ``layers.<i>.feed_forward.w1`` ..., ``norm``, ``output``)
+because checkpoints, tensor-parallel plans and the Hugging Face exporter rely on them.
+
+RoPE uses Meta's *interleaved pair* convention: dimensions ``(2i, 2i+1)`` of each head form
+one rotated pair with frequency ``theta ** (-2i / head_dim)``. (Hugging Face's Llama uses the
+"rotate half" convention instead; its converter permutes the rows of ``wq``/``wk``.) The
+rotation is implemented with real cos/sin tables rather than complex numbers so that it works
+unchanged with DTensor, ``torch.compile`` and export.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .args import LlamaModelArgs, RopeScaling
+
+__all__ = [
+    "RMSNorm",
+    "Attention",
+    "FeedForward",
+    "TransformerBlock",
+    "Transformer",
+    "apply_rope_scaling",
+    "precompute_rope_cache",
+    "apply_rotary_emb",
+]
+
+# Standard deviation of every hidden Linear layer at initialisation.
+INIT_STD = 0.02
+
+
+def _trunc_normal_(weight: torch.Tensor, std: float, cutoff: float = 3.0) -> None:
+    """Normal(0, std) truncated at +-cutoff standard deviations."""
+    nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-cutoff * std, b=cutoff * std)
+
+
+# --------------------------------------------------------------------------------------
+# Rotary position embedding
+# --------------------------------------------------------------------------------------
+
+
+def apply_rope_scaling(freqs: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Llama 3.1 frequency scaling of the RoPE inverse frequencies ``freqs`` (rad/token)."""
+    low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / freqs
+    # Band in between: interpolate between the scaled and the original frequency.
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    mid = (1 - smooth) * freqs / scaling.factor + smooth * freqs
+    out = torch.where(wavelen > low_freq_wavelen, freqs / scaling.factor, mid)  # low frequencies
+    out = torch.where(wavelen < high_freq_wavelen, freqs, out)  # high frequencies: unchanged
+    return out
+
+
+def precompute_rope_cache(
+    head_dim: int,
+    max_seq_len: int,
+    theta: float,
+    scaling: RopeScaling | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Cos/sin table of shape ``[max_seq_len, head_dim // 2, 2]`` (float32).
+
+    ``cache[p, i, 0] = cos(p * f_i)`` and ``cache[p, i, 1] = sin(p * f_i)`` with
+    ``f_i = theta ** (-2i / head_dim)`` (optionally Llama 3.1-scaled). Angles are computed in
+    float64 and rounded once, so long positions keep full float32 accuracy.
+    """
+    exponent = torch.arange(0, head_dim, 2, device=device, dtype=torch.float64)[: head_dim // 2]
+    freqs = 1.0 / (theta ** (exponent / head_dim))
+    if scaling is not None:
+        freqs = apply_rope_scaling(freqs, scaling)
+    positions = torch.arange(max_seq_len, device=device, dtype=torch.float64)
+    angles = torch.outer(positions, freqs)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1).to(torch.float32)
+
+
+def apply_rotary_emb(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs of ``x`` (``[batch, seq, heads, head_dim]``) by position.
+
+    Positions are ``0 .. seq-1``; rows of ``rope_cache`` beyond ``seq`` are ignored. The
+    rotation is done in float32 and the result is cast back to ``x.dtype``.
+    """
+    seqlen = x.shape[1]
+    cache = rope_cache[:seqlen]
+    cos = cache[..., 0].unsqueeze(1)  # [seq, 1, head_dim // 2], broadcast over batch & heads
+    sin = cache[..., 1].unsqueeze(1)
+    pairs = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+# --------------------------------------------------------------------------------------
+# Modules
+# --------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm; normalisation in float32, output in the input dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.dim = dim
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return h.type_as(x) * self.weight
+
+    def init_weights(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}"
+
+
+class Attention(nn.Module):
+    """Causal multi-head / grouped-query self-attention with RoPE.
+
+    The numbers of heads are derived at runtime from the projected tensors, so a module whose
+    ``wq``/``wk``/``wv`` are column-sharded (and ``wo`` row-sharded) by tensor parallelism
+    computes on its local heads unchanged.
+    """
+
+    def __init__(self, args: LlamaModelArgs):
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.num_kv_heads
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def init_weights(self, init_std: float = INIT_STD) -> None:
+        """``wq``/``wk``/``wv`` get std 0.02; ``wo`` gets ``init_std`` (depth-scaled)."""
+        for linear in (self.wq, self.wk, self.wv):
+            _trunc_normal_(linear.weight, INIT_STD)
+        _trunc_normal_(self.wo.weight, init_std)
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+
+        q = apply_rotary_emb(q, rope_cache)
+        k = apply_rotary_emb(k, rope_cache)
+
+        n_rep = q.shape[2] // k.shape[2]
+        if n_rep > 1:
+            # Query head h attends with kv head h // n_rep (Meta's repeat_kv ordering).
+            # Explicit repetition instead of SDPA's enable_gqa keeps every SDPA backend usable.
+            k = torch.repeat_interleave(k, n_rep, dim=2)
+            v = torch.repeat_interleave(v, n_rep, dim=2)
+
+        # [batch, heads, seq, head_dim]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = out.transpose(1, 2).reshape(bsz, seqlen, -1)
+        return self.wo(out)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def init_weights(self, init_std: float = INIT_STD) -> None:
+        """``w1``/``w3`` get std 0.02; the output projection ``w2`` gets ``init_std``."""
+        _trunc_normal_(self.w1.weight, INIT_STD)
+        _trunc_normal_(self.w3.weight, INIT_STD)
+        _trunc_normal_(self.w2.weight, init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``h = x + attn(norm(x)); out = h + ffn(norm(h))``."""
+
+    def __init__(self, layer_id: int, args: LlamaModelArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        # Depth-scaled std of the projections that write into the residual stream.
+        self.weight_init_std = INIT_STD / math.sqrt(2 * (layer_id + 1))
+
+    def init_weights(self) -> None:
+        self.attention_norm.init_weights()
+        self.ffn_norm.init_weights()
+        self.attention.init_weights(self.weight_init_std)
+        self.feed_forward.init_weights(self.weight_init_std)
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope_cache)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Llama decoder. ``forward(tokens[B, S]) -> logits[B, S, vocab]``.
+
+    A pipeline stage may delete entries of ``layers`` (an ``nn.ModuleDict`` keyed ``"0"`` ..
+    ``"n-1"``, so the surviving parameter names are unchanged) and set ``tok_embeddings``,
+    ``norm`` or ``output`` to ``None``: without ``tok_embeddings`` the input is hidden states
+    ``[B, S, dim]``; without ``output`` (and ``norm``) the hidden states are returned.
+
+    Construction works on the meta device; materialise with
+    ``model.to_empty(device=...)`` followed by ``model.init_weights()``.
+    """
+
+    def __init__(self, args: LlamaModelArgs):
+        super().__init__()
+        if args.vocab_size <= 0:
+            raise ValueError(
+                "LlamaModelArgs.vocab_size is unset (-1); set it from the tokenizer before "
+                "building the model (e.g. build_llama(flavor, vocab_size=tokenizer.vocab_size))"
+            )
+        self.args = args
+        self.vocab_size = args.vocab_size
+        self.n_layers = args.n_layers
+
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict(
+            {str(layer_id): TransformerBlock(layer_id, args) for layer_id in range(args.n_layers)}
+        )
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+        # Non-persistent: never in state_dict / checkpoints, recomputed by init_weights.
+        self.register_buffer("rope_cache", self._compute_rope_cache(), persistent=False)
+        self.init_weights()
+
+    def _tie_weights(self) -> None:
+        """Make ``output.weight`` the very same Parameter as ``tok_embeddings.weight``."""
+        if (
+            self.args.tie_word_embeddings
+            and self.tok_embeddings is not None
+            and self.output is not None
+            and self.output.weight is not self.tok_embeddings.weight
+        ):
+            self.output.weight = self.tok_embeddings.weight
+
+    def _apply(self, fn, recurse=True):
+        # Module._apply (behind .to(), .to_empty(), .half(), ...) replaces each submodule's
+        # Parameter objects independently when the conversion cannot be done in place (e.g.
+        # meta -> cpu), which would silently untie the embeddings; re-tie afterwards.
+        # (Conversions that swap tensors in place, as with DTensor/FSDP2 params, keep the
+        # tie and this is a no-op.)
+        ret = super()._apply(fn, recurse)
+        self._tie_weights()
+        # A dtype conversion (e.g. model.to(torch.bfloat16)) would also round the RoPE
+        # table; it is a recomputable buffer, so rebuild it in float32 instead.
+        cache = self.rope_cache
+        if cache.dtype != torch.float32 and cache.device.type != "meta":
+            with torch.no_grad():
+                self.rope_cache = self._compute_rope_cache(device=cache.device)
+        return ret
+
+    def _compute_rope_cache(self, device: torch.device | str | None = None) -> torch.Tensor:
+        return precompute_rope_cache(
+            self.args.head_dim,
+            self.args.max_seq_len,
+            self.args.rope_theta,
+            self.args.rope_scaling,
+            device=device,
+        )
+
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """(Re-)initialise every parameter this (possibly partial) model holds.
+
+        Deterministic given the torch RNG state of the parameters' device. Also recomputes
+        ``rope_cache`` on ``buffer_device`` (default: where the buffer already lives).
+
+        * ``tok_embeddings``: normal(0, 1). The block input goes through RMSNorm, so the
+          embedding scale does not change the first layer's input; std 1 keeps the residual
+          stream O(1) against the small (0.02-scale) block updates, as in Meta's and
+          torchtitan's Llama recipes.
+        * hidden Linear layers: truncated normal (+-3 std), std 0.02; the residual-stream
+          output projections ``wo`` and ``w2`` of block ``i`` use ``0.02 / sqrt(2 (i + 1))``.
+        * ``output``: truncated normal (+-3 std), std ``dim ** -0.5``, so initial logits are
+          O(1). With tied embeddings the shared matrix gets this output initialisation
+          (std 1 would make the initial logits ~sqrt(dim) large).
+        * norms: 1.
+        """
+        buffer_device = buffer_device if buffer_device is not None else self.rope_cache.device
+        with torch.no_grad():
+            self.rope_cache = self._compute_rope_cache(device=buffer_device)
+
+        self._tie_weights()
+        tied = self.args.tie_word_embeddings
+        output_std = self.args.dim**-0.5
+        if self.tok_embeddings is not None:
+            if tied:
+                _trunc_normal_(self.tok_embeddings.weight, output_std)
+            else:
+                nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=1.0)
+        for layer in self.layers.values():
+            if layer is not None:
+                layer.init_weights()
+        if self.norm is not None:
+            self.norm.init_weights()
+        if self.output is not None and not (tied and self.tok_embeddings is not None):
+            _trunc_normal_(self.output.weight, output_std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        seqlen = h.shape[1]
+        if seqlen > self.rope_cache.shape[0]:
+            raise ValueError(
+                f"sequence length {seqlen} exceeds max_seq_len {self.rope_cache.shape[0]}"
+            )
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cache)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h

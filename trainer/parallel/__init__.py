@@ -1,0 +1,1 @@
+"""Device mesh, parallelization (TP, activation checkpointing, compile, FSDP2/HSDP) and initialisation."""

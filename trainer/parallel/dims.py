@@ -1,0 +1,71 @@
+"""Parallel degrees and the device mesh they describe."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from trainer.config import ConfigError, Parallelism
+
+
+@dataclass
+class ParallelDims:
+    """Degrees of each parallel dimension; their product is the world size.
+
+    Mesh dimensions, outermost first: ``pp`` (pipeline stages), ``dp_replicate`` (HSDP replicas, across
+    nodes), ``dp_shard`` (FSDP, inside a node), ``tp`` (tensor parallel, innermost so it stays on the
+    fastest links). ``dp`` is ``dp_replicate x dp_shard`` flattened: the ranks that see different data.
+    """
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    world_size: int
+
+    @classmethod
+    def from_config(cls, cfg: Parallelism, world_size: int) -> "ParallelDims":
+        rep, shard, tp, pp = (cfg.data_parallel_replicate_degree, cfg.data_parallel_shard_degree,
+                              cfg.tensor_parallel_degree, cfg.pipeline_parallel_degree)
+        fixed = rep * tp * pp
+        if shard == -1:
+            if world_size % fixed:
+                raise ConfigError(
+                    f"world size {world_size} is not divisible by data_parallel_replicate_degree ({rep}) x "
+                    f"tensor_parallel_degree ({tp}) x pipeline_parallel_degree ({pp}) = {fixed}"
+                )
+            shard = world_size // fixed
+        if rep * shard * tp * pp != world_size:
+            raise ConfigError(
+                f"parallel degrees must multiply to the world size {world_size}: "
+                f"data_parallel_replicate_degree ({rep}) x data_parallel_shard_degree ({shard}) x "
+                f"tensor_parallel_degree ({tp}) x pipeline_parallel_degree ({pp}) = {rep * shard * tp * pp}"
+            )
+        return cls(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, world_size=world_size)
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp > 1
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        names = ("pp", "dp_replicate", "dp_shard", "tp")
+        shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        # Kept here: slicing a flattened dimension from the root mesh is deprecated.
+        self.dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        return mesh
+
+    def describe(self) -> str:
+        parts = [f"{k}={v}" for k, v in (("pp", self.pp), ("dp_replicate", self.dp_replicate),
+                                           ("dp_shard", self.dp_shard), ("tp", self.tp))]
+        return f"world {self.world_size}: " + ", ".join(parts)
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,62 @@
+"""float8 training for Linear layers via torchao."""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from trainer.config import ConfigError, JobConfig
+
+logger = logging.getLogger("trainer")
+
+
+def convert_to_float8(model: nn.Module, config: JobConfig) -> None:
+    """Swap eligible Linear layers for torchao's Float8Linear (in place, on the meta model).
+
+    Eligible: not matched by ``filter_fqns`` and both dimensions divisible by 16 (the float8 matmul's
+    alignment requirement).
+    """
+    cfg = config.quantize.linear.float8
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        raise ConfigError(f"model.converters has quantize.linear.float8 but torchao is not importable: {e}") from None
+    if cfg.enable_fsdp_float8_all_gather:
+        if cfg.recipe_name != "tensorwise":
+            raise ConfigError("quantize.linear.float8.enable_fsdp_float8_all_gather needs recipe_name = \"tensorwise\"")
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "quantize.linear.float8.enable_fsdp_float8_all_gather needs NCCL on GPUs: gloo cannot all-gather "
+                "float8 tensors; set it to false on CPU"
+            )
+    if cfg.recipe_name == "tensorwise":
+        f8_config = Float8LinearConfig(enable_fsdp_float8_all_gather=cfg.enable_fsdp_float8_all_gather,
+                                       emulate=cfg.emulate)
+    else:
+        f8_config = Float8LinearConfig.from_recipe_name(cfg.recipe_name)
+        if cfg.emulate:
+            import dataclasses
+
+            f8_config = dataclasses.replace(f8_config, emulate=True)
+
+    def eligible(module: nn.Module, fqn: str) -> bool:
+        if not isinstance(module, nn.Linear):
+            return False
+        if any(f in fqn for f in cfg.filter_fqns):
+            return False
+        return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+    convert_to_float8_training(model, config=f8_config, module_filter_fn=eligible)
+    logger.info("float8 (%s) applied to Linear layers", cfg.recipe_name)
+
+
+def precompute_float8_scales(model: nn.Module, config: JobConfig) -> None:
+    """After the optimizer step: compute all float8 all-gather scales in one go (tensorwise + FSDP)."""
+    cfg = config.quantize.linear.float8
+    if cfg.enable_fsdp_float8_all_gather and cfg.precompute_float8_dynamic_scale_for_fsdp:
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        precompute_float8_dynamic_scale_for_fsdp(model)

@@ -1,0 +1,78 @@
+"""Weight initialisation that gives identical weights under every parallel layout.
+
+A sharded model initialised in place would draw different random numbers per layout (each rank fills
+its own shard), so FSDP 4, TP 2 or a pipeline stage would start from different weights than one
+process. Instead each unit of the model (the embedding, each block, the final norm, the output layer)
+is initialised in full, on the device, from a generator seeded by (seed, unit name), using the model's
+own ``init_weights``; every rank then keeps the slice its parameters own. Only one unit is ever
+materialised in full at a time.
+"""
+
+from __future__ import annotations
+
+import copy
+import zlib
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+
+def model_units(template: nn.Module) -> list[str]:
+    units = [name for name in ("tok_embeddings",) if getattr(template, name, None) is not None]
+    units += [f"layers.{k}" for k in template.layers.keys()]
+    units += [name for name in ("norm", "output") if getattr(template, name, None) is not None]
+    return units
+
+
+def _unit_template(template: nn.Module, unit: str) -> nn.Module:
+    """A copy of the (meta) model holding only ``unit``; its init_weights then initialises just that."""
+    part = copy.deepcopy(template)
+    for name in ("tok_embeddings", "norm", "output"):
+        if name != unit:
+            setattr(part, name, None)
+    keep = unit.split(".", 1)[1] if unit.startswith("layers.") else None
+    for key in list(part.layers.keys()):
+        if key != keep:
+            del part.layers[key]
+    return part
+
+
+def _local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    if not isinstance(param, DTensor):
+        return full
+    shape, offset = compute_local_shape_and_global_offset(full.shape, param.device_mesh, param.placements)
+    index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
+    return full[index]
+
+
+def _clean(name: str) -> str:
+    # Wrappers (activation checkpointing, torch.compile) insert these into parameter names.
+    for token in ("_checkpoint_wrapped_module.", "_orig_mod."):
+        name = name.replace(token, "")
+    return name
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, template: nn.Module, seed: int, device: torch.device) -> None:
+    """Initialise ``model`` (parallelized, materialised with ``to_empty``) like a single-process model.
+
+    ``template`` is the unparallelized model (or pipeline stage) on the meta device.
+    """
+    params = {_clean(n): p for n, p in model.named_parameters(remove_duplicate=False)}
+    for unit in model_units(template):
+        part = _unit_template(template, unit).to_empty(device=device)
+        generator_seed = seed * 1_000_003 + zlib.crc32(unit.encode())
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type=device.type):
+            torch.manual_seed(generator_seed)
+            part.init_weights(buffer_device=device)
+        for name, full in part.named_parameters():
+            target = params[name]
+            local = target.to_local() if isinstance(target, DTensor) else target
+            local.copy_(_local_slice(full, target).to(local.dtype))
+        del part
+    # Non-persistent buffers (the RoPE table) are recomputed by the model itself.
+    if hasattr(model, "_compute_rope_cache"):
+        model.rope_cache = model._compute_rope_cache(device=device)

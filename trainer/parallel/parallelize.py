@@ -1,0 +1,220 @@
+"""Apply tensor parallel, activation checkpointing, torch.compile and FSDP2/HSDP to a Llama model.
+
+The order matters and is fixed here: TP first (it rewrites Linear layers into DTensor shards), then
+activation checkpointing (wraps each block), then compile (compiles each wrapped block), then FSDP
+(shards whatever parameters the previous steps left, per block). Everything runs on the meta device.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from trainer.config import ConfigError, JobConfig
+from trainer.parallel.dims import ParallelDims
+
+logger = logging.getLogger("trainer")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, config: JobConfig) -> nn.Module:
+    """Apply every configured transformation to ``model`` (a whole model or one pipeline stage)."""
+    if dims.tp > 1:
+        apply_tp(model, mesh["tp"], loss_parallel=not config.parallelism.disable_loss_parallel,
+                 float8="quantize.linear.float8" in config.model.converters,
+                 float8_rowwise=config.quantize.linear.float8.recipe_name == "rowwise")
+        if config.parallelism.enable_async_tensor_parallel:
+            if not config.compile.enable or mesh.device_type != "cuda":
+                raise ConfigError("parallelism.enable_async_tensor_parallel needs compile.enable and GPUs")
+            from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+            torch._inductor.config._micro_pipeline_tp = True
+            enable_symm_mem_for_group(mesh["tp"].get_group().group_name)
+    if config.activation_checkpoint.mode != "none":
+        apply_ac(model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option)
+    if config.compile.enable and "model" in config.compile.components:
+        apply_compile(model, config.compile.backend)
+    if dims.fsdp_enabled:
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+        apply_fsdp(
+            model,
+            dp_mesh,
+            param_dtype=DTYPES[config.training.mixed_precision_param],
+            reduce_dtype=DTYPES[config.training.mixed_precision_reduce],
+            reshard_after_forward=config.parallelism.fsdp_reshard_after_forward,
+            cpu_offload=config.training.enable_cpu_offload,
+            pp_enabled=dims.pp > 1,
+        )
+    return model
+
+
+# --------------------------------------------------------------------------------------------------
+# Tensor parallel
+# --------------------------------------------------------------------------------------------------
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, float8: bool = False,
+             float8_rowwise: bool = False) -> None:
+    """Megatron-style TP with sequence parallel: activations between blocks are sharded on the sequence
+    dimension (norms run on sequence shards), attention heads and MLP columns are sharded inside blocks."""
+    colwise, rowwise, prepare_input = ColwiseParallel, RowwiseParallel, PrepareModuleInput
+    if float8 and not float8_rowwise:
+        # float8 tensorwise Linear layers need float8-aware TP styles so the all-gathers carry float8.
+        from torchao.float8.float8_tensor_parallel import (
+            Float8ColwiseParallel,
+            Float8RowwiseParallel,
+            PrepareFloat8ModuleInput,
+        )
+
+        colwise, rowwise, prepare_input = Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+
+    top: dict[str, object] = {}
+    if getattr(model, "tok_embeddings", None) is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if getattr(model, "norm", None) is not None:
+        top["norm"] = SequenceParallel()
+    if getattr(model, "output", None) is not None:
+        top["output"] = ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    if top:
+        parallelize_module(model, tp_mesh, top)
+
+    for block in model.layers.values():
+        plan = {
+            "attention_norm": SequenceParallel(),
+            "attention": prepare_input(
+                input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+            ),
+            "attention.wq": colwise(),
+            "attention.wk": colwise(),
+            "attention.wv": colwise(),
+            "attention.wo": rowwise(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": prepare_input(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": colwise(),
+            "feed_forward.w2": rowwise(output_layouts=Shard(1)),
+            "feed_forward.w3": colwise(),
+        }
+        parallelize_module(block, tp_mesh, plan)
+
+
+def validate_tp(dims: ParallelDims, n_heads: int, n_kv_heads: int) -> None:
+    if dims.tp > 1 and (n_heads % dims.tp or n_kv_heads % dims.tp):
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree ({dims.tp}) must divide the number of attention heads "
+            f"({n_heads}) and key/value heads ({n_kv_heads})"
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# Activation checkpointing
+# --------------------------------------------------------------------------------------------------
+
+# Results worth keeping under selective "op" checkpointing: the expensive ops. Everything else
+# (norms, activations, RoPE) is recomputed in backward.
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+}
+
+
+def _op_policy():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy_fn(ctx, op, *args, **kwargs):
+        # Keep every other matmul: saves half the matmul recompute at half the memory of saving all.
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if op == torch.ops.aten.mm.default:
+            meta = ctx_counts[mode]
+            meta["mm"] += 1
+            if meta["mm"] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    ctx_counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+
+    def context_fn():
+        ctx_counts.clear()
+        return create_selective_checkpoint_contexts(policy_fn)
+
+    return context_fn
+
+
+def apply_ac(model: nn.Module, mode: str, selective_option: str) -> None:
+    """Wrap transformer blocks with activation checkpointing (full, every N-th block, or per op)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    every = int(selective_option) if mode == "selective" and selective_option != "op" else 1
+    for i, (name, block) in enumerate(list(model.layers.items())):
+        if i % every:
+            continue
+        if mode == "selective" and selective_option == "op":
+            wrapped = checkpoint_wrapper(block, context_fn=_op_policy(), preserve_rng_state=False,
+                                         determinism_check="none")
+        else:
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        model.layers[name] = wrapped
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.compile
+# --------------------------------------------------------------------------------------------------
+
+
+def apply_compile(model: nn.Module, backend: str) -> None:
+    """Compile each block separately: identical blocks share one compiled graph, and compile time does
+    not grow with depth."""
+    for name, block in list(model.layers.items()):
+        model.layers[name] = torch.compile(block, backend=backend, fullgraph=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# FSDP2 / HSDP
+# --------------------------------------------------------------------------------------------------
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+               reshard_after_forward: str, cpu_offload: bool, pp_enabled: bool) -> None:
+    """Shard each block, then the root (embeddings, final norm, output). A 2-D ``dp_mesh``
+    (replicate, shard) gives HSDP: reduce-scatter inside a replica group, all-reduce across replicas."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    kwargs = {"mesh": dp_mesh, "mp_policy": mp}
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    if reshard_after_forward == "default":
+        # With pipelining a block's backward runs much later than its forward, so always reshard.
+        default_reshard = True
+    else:
+        default_reshard = reshard_after_forward == "always"
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        last = i == len(blocks) - 1
+        reshard = default_reshard
+        if reshard_after_forward == "default" and last and not pp_enabled:
+            # The last block's backward starts right after forward: keep its parameters gathered.
+            reshard = False
+        fully_shard(block, reshard_after_forward=reshard, **kwargs)
+    # Group the output layer and final norm with the root: they are gathered together at the end.
+    fully_shard(model, reshard_after_forward=reshard_after_forward == "always", **kwargs)
