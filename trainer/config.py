@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from torchtitan_ext.stability.config import Stability
 from trainer.data.config import Data
 
 if sys.version_info >= (3, 11):
@@ -306,6 +307,10 @@ class Debug:
     identical across parallel layouts for the same seed)."""
     deterministic: bool = False
     """Use deterministic algorithms so that repeated runs are bitwise identical."""
+    inject_bad_data_steps: list[int] = field(default_factory=list)
+    """Fault drill: replace the batch at these steps with uniformly random tokens."""
+    inject_nonfinite_loss_steps: list[int] = field(default_factory=list)
+    """Fault drill: force a non-finite loss at these steps."""
 
 
 @dataclass
@@ -323,6 +328,7 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     data: Data = field(default_factory=Data)
     validation: Validation = field(default_factory=Validation)
+    stability: Stability = field(default_factory=Stability)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
     debug: Debug = field(default_factory=Debug)
@@ -349,6 +355,7 @@ SECTION_DOC = {
     "metrics": "Logging: console, metrics.jsonl, TensorBoard.",
     "data": "Data sources, mixing, packing and loader workers (see docs/data.md).",
     "validation": "Held-out loss during training.",
+    "stability": "Skipping steps, spike and NaN guards, embedding-gradient shrink (see docs/stability.md).",
     "profiling": "Profiler traces and memory snapshots.",
     "comm": "Process-group timeouts and communication debugging.",
     "debug": "Seeds and determinism.",
@@ -509,7 +516,18 @@ def _split_cli_list(value: str, item_tp: Any) -> list:
             raise ConfigError(f"cannot parse list {value!r}: {e}") from None
     if value == "":
         return []
-    return [v.strip() for v in value.split(",")]
+    items = [v.strip() for v in value.split(",")]
+    if typing.get_origin(item_tp) is list:
+        # Inclusive integer ranges: "10-20,25" -> [[10, 20], [25, 25]].
+        ranges = []
+        for item in items:
+            lo, _, hi = item.partition("-")
+            try:
+                ranges.append([int(lo), int(hi or lo)])
+            except ValueError:
+                raise ConfigError(f"cannot parse range {item!r} in {value!r}; use e.g. 10-20,25-30") from None
+        return ranges
+    return items
 
 
 # --------------------------------------------------------------------------------------------------
