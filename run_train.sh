@@ -11,19 +11,8 @@ cd "$(dirname "$0")"
 ROOT=$(pwd)
 
 # First run on a fresh clone: create .venv and install the project into it.
-PYTHON=${PYTHON:-}
-if [ -z "$PYTHON" ]; then
-    if [ -x "$ROOT/.venv/bin/python" ]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
-fi
-if ! "$PYTHON" -c "import trainer.train, torch, torchdata" >/dev/null 2>&1; then
-    echo "[run_train.sh] setting up .venv (first run)..."
-    python3 -m venv "$ROOT/.venv"
-    PYTHON="$ROOT/.venv/bin/python"
-    CONSTRAINTS=()
-    if ! command -v nvidia-smi >/dev/null 2>&1; then CONSTRAINTS=(-c "$ROOT/constraints.txt"); fi
-    "$PYTHON" -m pip install -q --upgrade pip
-    "$PYTHON" -m pip install -q "${CONSTRAINTS[@]}" -e "$ROOT"
-fi
+source "$ROOT/scripts/setup_env.sh"
+ensure_env "" "" || exit 1
 
 CONFIG_FILE=${CONFIG_FILE:-"$ROOT/train_configs/debug_model.toml"}
 if [ -z "${NGPU:-}" ]; then
@@ -47,5 +36,9 @@ else
     # One node: a free local port, so several runs can share a machine.
     TORCHRUN_ARGS+=(--standalone)
 fi
+
+# Pre-flight: a bad key, type or layout fails here in a fraction of a second, with one clear message.
+case " $* " in *" --help "*|*" -h "*) exec "$PYTHON" -m trainer.config --help ;; esac
+WORLD_SIZE=$((NGPU * NNODES)) "$PYTHON" -m trainer.config --check --job.config_file "$CONFIG_FILE" "$@" || exit $?
 
 exec "$PYTHON" -m torch.distributed.run "${TORCHRUN_ARGS[@]}" -m trainer.train --job.config_file "$CONFIG_FILE" "$@"

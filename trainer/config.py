@@ -138,7 +138,8 @@ class Training:
 @dataclass
 class Parallelism:
     data_parallel_replicate_degree: int = 1
-    """Replicas of the model (the replicate dimension of HSDP; across nodes in multi-node presets)."""
+    """Replicas of the model (the replicate dimension of HSDP; across nodes in multi-node presets). -1:
+    whatever is left of the world size (then data_parallel_shard_degree must be set)."""
     data_parallel_shard_degree: int = -1
     """Ranks a model replica is sharded over with FSDP2. -1: whatever is left of the world size."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
@@ -649,7 +650,7 @@ def validate(config: JobConfig) -> None:
 
     for key in ("training.local_batch_size", "training.seq_len", "training.steps", "metrics.log_freq",
                 "checkpoint.interval", "validation.freq", "parallelism.tensor_parallel_degree",
-                "parallelism.pipeline_parallel_degree", "parallelism.data_parallel_replicate_degree",
+                "parallelism.pipeline_parallel_degree",
                 "parallelism.pipeline_parallel_microbatch_size", "profiling.profile_freq",
                 "checkpoint.max_failed_saves", "comm.init_timeout_seconds", "comm.train_timeout_seconds"):
         positive(key)
@@ -661,8 +662,10 @@ def validate(config: JobConfig) -> None:
             f"training.global_batch_size ({t.global_batch_size}) must be -1 or a positive multiple of "
             f"training.local_batch_size ({t.local_batch_size})"
         )
-    if config.parallelism.data_parallel_shard_degree == 0 or config.parallelism.data_parallel_shard_degree < -1:
-        raise ConfigError("parallelism.data_parallel_shard_degree must be -1 or >= 1")
+    for key in ("data_parallel_shard_degree", "data_parallel_replicate_degree"):
+        value = getattr(config.parallelism, key)
+        if value == 0 or value < -1:
+            raise ConfigError(f"parallelism.{key} must be -1 or >= 1, got {value}")
     if config.optimizer.lr <= 0:
         raise ConfigError(f"optimizer.lr must be > 0, got {config.optimizer.lr}")
     if not 0.0 <= config.lr_scheduler.min_lr_factor <= 1.0:
@@ -677,6 +680,54 @@ def validate(config: JobConfig) -> None:
     for c in config.model.converters:
         if c not in valid_converters:
             raise ConfigError(f"model.converters: unknown converter {c!r}; valid: {sorted(valid_converters)}")
+
+
+def resolve_degrees(cfg: Parallelism, world_size: int) -> tuple[int, int, int, int]:
+    """(dp_replicate, dp_shard, tp, pp) with -1 resolved; raises ConfigError unless they multiply to
+    the world size."""
+    rep, shard, tp, pp = (cfg.data_parallel_replicate_degree, cfg.data_parallel_shard_degree,
+                          cfg.tensor_parallel_degree, cfg.pipeline_parallel_degree)
+    if rep == -1 and shard == -1:
+        raise ConfigError("only one of parallelism.data_parallel_replicate_degree and "
+                          "data_parallel_shard_degree may be -1")
+    if -1 in (rep, shard):
+        fixed = (shard if rep == -1 else rep) * tp * pp
+        if world_size % fixed:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by the fixed degrees: data_parallel_"
+                f"{'shard' if rep == -1 else 'replicate'}_degree ({shard if rep == -1 else rep}) x "
+                f"tensor_parallel_degree ({tp}) x pipeline_parallel_degree ({pp}) = {fixed}"
+            )
+        if rep == -1:
+            rep = world_size // fixed
+        else:
+            shard = world_size // fixed
+    if rep * shard * tp * pp != world_size:
+        raise ConfigError(
+            f"parallel degrees must multiply to the world size {world_size}: "
+            f"data_parallel_replicate_degree ({rep}) x data_parallel_shard_degree ({shard}) x "
+            f"tensor_parallel_degree ({tp}) x pipeline_parallel_degree ({pp}) = {rep * shard * tp * pp}"
+        )
+    return rep, shard, tp, pp
+
+
+def grad_accum_steps(config: JobConfig, dp: int) -> int:
+    """Micro-batches per optimizer step so that training.global_batch_size is honoured."""
+    t = config.training
+    per_pass = t.local_batch_size * dp
+    global_batch = per_pass if t.global_batch_size == -1 else t.global_batch_size
+    if global_batch % per_pass:
+        raise ConfigError(
+            f"training.global_batch_size ({global_batch}) must be a multiple of training.local_batch_size "
+            f"({t.local_batch_size}) x data-parallel degree ({dp}) = {per_pass}"
+        )
+    return global_batch // per_pass
+
+
+def check_for_world(config: JobConfig, world_size: int) -> None:
+    """The checks that need the world size (run by the launcher before any process starts)."""
+    rep, shard, _, _ = resolve_degrees(config.parallelism, world_size)
+    grad_accum_steps(config, rep * shard)
 
 
 def _get_section(config: JobConfig, dotted: str) -> Any:
@@ -775,13 +826,28 @@ def markdown_reference() -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv == ["--markdown"]:
         print(markdown_reference(), end="")
-        return
-    print(to_toml(load_config(argv)))
+        return 0
+    if any(a in ("-h", "--help") for a in argv):
+        print(help_text())
+        return 0
+    check_only = "--check" in argv
+    argv = [a for a in argv if a != "--check"]
+    try:
+        config = load_config(argv)
+        if check_only:
+            # The launcher's pre-flight: fail in a fraction of a second, before torchrun starts.
+            check_for_world(config, int(os.environ.get("WORLD_SIZE", "1")))
+            return 0
+        print(to_toml(config))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from trainer import logs
 from trainer.callbacks import CallbackList, build_callbacks
 from trainer.checkpoint import CheckpointManager, TrainState
-from trainer.config import ConfigError, JobConfig, load_config, to_toml
+from trainer.config import ConfigError, JobConfig, grad_accum_steps, help_text, load_config, to_toml
 from trainer.data import build_train_loader, build_val_loader
 from trainer.fingerprint import sequence_fingerprint
 from trainer.metrics import MetricsWriter, Throughput, console_line, format_eta, memory_gib, peak_tflops, use_color
@@ -38,20 +38,30 @@ from trainer.parallel.parallelize import DTYPES, parallelize, validate_tp
 logger = logging.getLogger("trainer")
 
 
-def model_args_for(config: JobConfig, vocab_size: int):
-    """The flavor's architecture, sized to the tokenizer (rounded up to 64 rows for fast matmuls)."""
-    if config.model.vocab_size > 0:
-        if config.model.vocab_size < vocab_size:
-            raise ConfigError(
-                f"model.vocab_size ({config.model.vocab_size}) is smaller than the tokenizer's vocabulary ({vocab_size})"
-            )
-        vocab = config.model.vocab_size
-    else:
-        vocab = -(-vocab_size // 64) * 64
+def model_args_for(config: JobConfig, tokenizer_vocab: int | None):
+    """The flavor's architecture with its embedding sized for the tokenizer.
+
+    Rows: model.vocab_size if set, else the flavor's published vocabulary, else the tokenizer's
+    vocabulary rounded up to a multiple of 64 (faster matmuls). ``tokenizer_vocab`` None skips the check
+    that the tokenizer fits (dry runs of presets whose tokenizer file is not on this machine).
+    """
     try:
-        return get_llama_args(config.model.flavor, vocab_size=vocab, max_seq_len=config.training.seq_len)
+        flavor_args = get_llama_args(config.model.flavor)
     except ValueError as e:
         raise ConfigError(f"model.flavor: {e}") from None
+    if config.model.vocab_size > 0:
+        vocab, source = config.model.vocab_size, "model.vocab_size"
+    elif flavor_args.vocab_size > 0:
+        vocab, source = flavor_args.vocab_size, f"flavor {config.model.flavor}"
+    elif tokenizer_vocab is not None:
+        vocab, source = -(-tokenizer_vocab // 64) * 64, "tokenizer"
+    else:
+        raise ConfigError(f"model.flavor {config.model.flavor} takes its vocabulary size from the tokenizer; "
+                          "set model.tokenizer_path or model.vocab_size")
+    if tokenizer_vocab is not None and vocab < tokenizer_vocab:
+        raise ConfigError(f"{source} gives {vocab} embedding rows but the tokenizer has {tokenizer_vocab} ids; "
+                          "use a matching tokenizer (model.tokenizer_path) or raise model.vocab_size")
+    return get_llama_args(flavor_args, vocab_size=vocab, max_seq_len=config.training.seq_len)
 
 
 def load_tokenizer(config: JobConfig):
@@ -62,18 +72,6 @@ def load_tokenizer(config: JobConfig):
         return build_tokenizer(path)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.tokenizer_path: {e}") from None
-
-
-def grad_accum_steps(config: JobConfig, dp: int) -> int:
-    t = config.training
-    per_pass = t.local_batch_size * dp
-    global_batch = per_pass if t.global_batch_size == -1 else t.global_batch_size
-    if global_batch % per_pass:
-        raise ConfigError(
-            f"training.global_batch_size ({global_batch}) must be a multiple of training.local_batch_size "
-            f"({t.local_batch_size}) x data-parallel degree ({dp}) = {per_pass}"
-        )
-    return global_batch // per_pass
 
 
 class Trainer:
@@ -384,8 +382,12 @@ def apply_converters(model: torch.nn.Module, config: JobConfig) -> None:
 
 def dry_run(config: JobConfig) -> None:
     """Validate the config and build the model on the meta device without allocating it."""
-    tok = load_tokenizer(config)
-    args = model_args_for(config, tok.vocab_size)
+    tokenizer_vocab = None
+    if config.model.tokenizer_path == "" or Path(config.model.tokenizer_path).exists():
+        tokenizer_vocab = load_tokenizer(config).vocab_size
+    else:
+        logger.warning("tokenizer %s not found: checking the model without it", config.model.tokenizer_path)
+    args = model_args_for(config, tokenizer_vocab)
     with torch.device("meta"):
         model = Transformer(args)
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -394,12 +396,16 @@ def dry_run(config: JobConfig) -> None:
     print(json.dumps({
         "flavor": config.model.flavor, "params": model_num_params(model),
         "flops_per_token": flops_per_token(args, config.training.seq_len), "vocab_size": args.vocab_size,
-        "layout": dims.describe(), "status": "ok",
+        "layout": dims.describe(), "grad_accum_steps": grad_accum_steps(config, dims.dp), "status": "ok",
     }))
 
 
 def main(argv: list[str] | None = None) -> int:
     logs.setup()
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(help_text())
+        return 0
     try:
         config = load_config(argv)
         if config.job.print_config:

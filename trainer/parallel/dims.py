@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from trainer.config import ConfigError, Parallelism
+from trainer.config import Parallelism, resolve_degrees
 
 
 @dataclass
@@ -27,22 +27,7 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, cfg: Parallelism, world_size: int) -> "ParallelDims":
-        rep, shard, tp, pp = (cfg.data_parallel_replicate_degree, cfg.data_parallel_shard_degree,
-                              cfg.tensor_parallel_degree, cfg.pipeline_parallel_degree)
-        fixed = rep * tp * pp
-        if shard == -1:
-            if world_size % fixed:
-                raise ConfigError(
-                    f"world size {world_size} is not divisible by data_parallel_replicate_degree ({rep}) x "
-                    f"tensor_parallel_degree ({tp}) x pipeline_parallel_degree ({pp}) = {fixed}"
-                )
-            shard = world_size // fixed
-        if rep * shard * tp * pp != world_size:
-            raise ConfigError(
-                f"parallel degrees must multiply to the world size {world_size}: "
-                f"data_parallel_replicate_degree ({rep}) x data_parallel_shard_degree ({shard}) x "
-                f"tensor_parallel_degree ({tp}) x pipeline_parallel_degree ({pp}) = {rep * shard * tp * pp}"
-            )
+        rep, shard, tp, pp = resolve_degrees(cfg, world_size)
         return cls(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, world_size=world_size)
 
     @property

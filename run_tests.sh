@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Run the test suite: unit tests, multi-process parity runs (gloo on CPU) and end-to-end runs through
+# run_train.sh. Installs the project with its [dev] extras into .venv on the first run.
+# Extra arguments go to pytest, e.g. ./run_tests.sh -k checkpoint -x
+set -euo pipefail
+cd "$(dirname "$0")"
+source scripts/setup_env.sh
+ensure_env "[dev]" "pytest transformers" || exit 1
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+exec "$PYTHON" -m pytest -q "$@"

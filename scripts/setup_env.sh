@@ -1,0 +1,27 @@
+# Sourced by run_train.sh and run_tests.sh. Sets PYTHON to an interpreter that has the project and its
+# dependencies, creating .venv and installing into it on the first run.
+#   ensure_env EXTRAS MODULES   e.g. ensure_env "" "torch torchdata"  or  ensure_env "[dev]" "pytest"
+ensure_env() {
+    local extras="$1" modules="$2" root
+    root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+    if [ -z "${PYTHON:-}" ]; then
+        if [ -x "$root/.venv/bin/python" ]; then PYTHON="$root/.venv/bin/python"; else PYTHON=python3; fi
+    fi
+    local check="import importlib.metadata as m; m.version('llm-trainer')"
+    for mod in torch torchdata torchao tokenizers tensorboard safetensors $modules; do check="$check; import $mod"; done
+    if "$PYTHON" -c "$check" >/dev/null 2>&1; then return 0; fi
+
+    echo "[setup] installing the project into .venv (log: .venv/install.log)..."
+    [ -x "$root/.venv/bin/python" ] || python3 -m venv "$root/.venv" || return 1
+    PYTHON="$root/.venv/bin/python"
+    local constraints=()
+    # No GPU: pin the CPU build of torch so pip never pulls a multi-GB CUDA build.
+    if ! command -v nvidia-smi >/dev/null 2>&1; then constraints=(-c "$root/constraints.txt"); fi
+    if ! { "$PYTHON" -m pip install --upgrade pip && "$PYTHON" -m pip install "${constraints[@]}" -e "$root$extras"; } \
+            >"$root/.venv/install.log" 2>&1; then
+        tail -n 30 "$root/.venv/install.log"
+        echo "[setup] installation failed; full log in .venv/install.log" >&2
+        return 1
+    fi
+    echo "[setup] done."
+}

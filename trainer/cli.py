@@ -1,0 +1,55 @@
+"""The ``trainer`` console script: one entry point for the jobs around training.
+
+Training itself runs through ``./run_train.sh`` (torchrun); ``trainer train`` is the same entry for
+one process.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> (module with main(argv) -> int, one-line description)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("trainer.train", "train in this process (use ./run_train.sh for torchrun and several processes)"),
+    "config": ("trainer.config", "print the resolved config as TOML (--markdown: the config reference)"),
+    "data": ("trainer.data.cli", "audit a config's data, or tokenize a corpus into token files (prepare)"),
+    "checkpoint": ("trainer.checkpoint", "list or inspect checkpoints"),
+    "export": ("torchtitan_ext.hf", "export a checkpoint to a Hugging Face Llama folder (safetensors)"),
+    "eval": ("torchtitan_ext.lm_eval_model", "score a checkpoint or exported folder with lm-eval"),
+    "generate": ("torchtitan_ext.generate", "sample text from a checkpoint"),
+    "compare": ("torchtitan_ext.compare", "compare loss curves of runs and reference CSVs (table + PNG)"),
+    "plan": ("trainer.plan", "parameters, FLOPs and memory per GPU for a config and GPU count"),
+    "bench": ("trainer.bench", "benchmarks: framework overhead, data loader, checkpoint, GPU"),
+}
+
+
+def available() -> dict[str, tuple[str, str]]:
+    return {name: spec for name, spec in COMMANDS.items() if importlib.util.find_spec(spec[0]) is not None}
+
+
+def usage() -> str:
+    lines = ["usage: trainer COMMAND [ARGS...]", "", "commands:"]
+    for name, (_, doc) in available().items():
+        lines.append(f"  {name:<11} {doc}")
+    lines += ["", "Run 'trainer COMMAND --help' for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    commands = available()
+    if name not in commands:
+        print(f"trainer: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(commands[name][0])
+    result = module.main(rest)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
