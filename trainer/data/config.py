@@ -1,11 +1,52 @@
-"""The [data] config section: sources, mixing, packing and loader workers."""
+"""The [data] config section: sources, mixing, packing and loader workers.
+
+Every field has a one-line string under it: that string is the user documentation (``--help`` and
+docs/config.md are generated from it). See docs/data.md for the full picture.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 @dataclass
 class Data:
+    sources: list[str] = field(default_factory=list)
+    """Training sources for a mixture, each "kind:path" (kinds: jsonl, text, parquet, arrow, tokens, hf) or a
+    registered name; paths may be globs. Empty: the single source training.dataset / training.dataset_path."""
+    weights: list[float] = field(default_factory=list)
+    """Mixture weights, one per entry of sources (normalised; shares are of tokens). Empty: equal weights.
+    May be changed when resuming."""
+    num_shards: int = 64
+    """Logical shards of the data stream; must be divisible by the data-parallel degree. Keep it fixed for a
+    run: the global batch of every step depends on it, not on the number of ranks or workers."""
     num_workers: int = 0
     """Loader worker processes per rank (0 loads in the training process)."""
+    prefetch_factor: int = 2
+    """Micro-batches each loader worker prepares ahead (only with num_workers > 0)."""
+    pin_memory: bool = False
+    """Return batches in pinned (page-locked) memory for faster host-to-GPU copies."""
+    separator: Literal["bos", "eos"] = "bos"
+    """The one separator between packed documents: bos (prepended to every document) or eos (appended)."""
+    document_positions: bool = False
+    """Also emit "positions": each token's position inside its document (0 at every document start), so
+    attention can be limited to the document where the backend supports it."""
+    shuffle: bool = True
+    """Shuffle the order of files and of documents (within windows of shuffle_window documents) every epoch."""
+    shuffle_window: int = 1024
+    """Documents read ahead and shuffled together in each shard (bounds the memory used for shuffling)."""
+    seed: int | None = None
+    """Seed of the data order; None: debug.seed (0 when that is unset too)."""
+    text_field: str = "text"
+    """Column or JSON key holding the document text (jsonl, parquet, arrow and hf sources)."""
+    text_document: Literal["line", "file"] = "line"
+    """For text sources: every line is a document, or every file is one document."""
+    max_document_tokens: int = 0
+    """Cut documents to this many tokens (separator not counted) and count them as truncated; 0: never."""
+    long_document_windows: int = 64
+    """Documents spanning more than this many packed sequences are counted as long (reported by stats and
+    audit; they are still used)."""
+    debug_doc_ids: bool = False
+    """Add debugging tensors to every batch: doc_ids and doc_positions (per token of the seq_len + 1
+    window), source and shard (per sequence)."""

@@ -1,0 +1,130 @@
+"""``trainer data audit``: walk the training stream of a config and report what the model would see.
+
+The audit runs the same shard streams as training (one process, all shards, in training order) and
+checks the packed tokens themselves, not just counters: every document start (position 0) after the
+first of a stream is a boundary, and the separators on it are the last token of the previous document
+and the first token of the next (exactly one is right); two separator tokens next to each other
+anywhere, inside a window or across consecutive windows of a stream, count as doubled separators.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from trainer.data.loader import aggregate_stats, build_plan
+from trainer.data.pipeline import ShardStream
+from trainer.data.sources import training_specs
+
+
+def audit(config, tokenizer, *, max_sequences: int | None = None) -> dict:
+    """Report on the training data of `config`.
+
+    Default: one pass. Every shard's stream is walked in training order until one of its sources runs
+    out (with a single source: until all of its documents were read; partial last windows are not
+    counted as sequences). With `max_sequences`: that many sequences of the endless training stream, in
+    global training order (epochs wrap as in training).
+    """
+    d = config.data
+    specs, weights = training_specs(config)
+    plan = build_plan(config, tokenizer, specs, weights, num_shards=d.num_shards, shuffle=d.shuffle,
+                      max_epochs=None if max_sequences is not None else 1)
+    plan = dataclasses.replace(plan, debug=True, positions=True)
+    streams = [ShardStream(j, plan) for j in range(plan.num_shards)]
+    sep_ids = np.array(sorted(set(plan.strip_ids) | {plan.separator_id}), dtype=np.int64)
+    last_token: dict[tuple[int, int], int] = {}  # last token of each (shard, source) packed stream
+    boundaries = at_boundaries = doubled = missing = sequences = 0
+    start = time.perf_counter()
+    active = list(range(plan.num_shards))
+    i = 0
+    while active and (max_sequences is None or sequences < max_sequences):
+        j = active[i % len(active)]
+        try:
+            w = streams[j].next()
+        except StopIteration:  # one pass: this shard is done
+            active.remove(j)
+            continue
+        i += 1
+        sequences += 1
+        key = (w.shard, w.source)
+        prev = last_token.get(key)
+        last_token[key] = int(w.tokens[-1])
+        is_sep = np.isin(w.tokens, sep_ids)
+        # Adjacent separators anywhere in the stream (inside a window, or across two windows).
+        doubled += int(np.count_nonzero(is_sep[:-1] & is_sep[1:]))
+        if prev is not None and is_sep[0] and prev in sep_ids:
+            doubled += 1
+        # Boundaries: every document start except the first of a stream; separators on each boundary are
+        # the last token of the previous document and the first of the next.
+        starts = np.flatnonzero(w.positions == 0)
+        for s in starts:
+            if s == 0 and prev is None:
+                continue
+            before = bool(is_sep[s - 1]) if s > 0 else bool(prev in sep_ids)
+            n = int(before) + int(is_sep[s])
+            boundaries += 1
+            at_boundaries += n
+            missing += n == 0
+
+    stats = aggregate_stats({str(j): s.state_dict() for j, s in enumerate(streams)}, plan)
+    return {
+        "sources": [s.label for s in plan.sources],
+        "seq_len": plan.seq_len,
+        "num_shards": plan.num_shards,
+        "separator": plan.separator,
+        "mode": "one pass" if max_sequences is None else f"{max_sequences} sequences",
+        "documents": stats["documents"],
+        "tokens": stats["tokens"],
+        "sequences": sequences,
+        "sequence_tokens": sequences * (plan.seq_len + 1),
+        "boundaries": boundaries,
+        "separators_per_boundary": at_boundaries / boundaries if boundaries else 0.0,
+        "doubled_separators": doubled,
+        "missing_separators": missing,
+        "stripped_separators": stats["stripped_separators"],
+        "skipped_empty": stats["skipped_empty"],
+        "skipped_malformed": stats["skipped_malformed"],
+        "skipped_undecodable": stats["skipped_undecodable"],
+        "long_documents": stats["long_documents"],
+        "truncated_documents": stats["truncated_documents"],
+        "epochs_completed": stats["epoch"],
+        "mixture": [
+            {"source": p["source"], "weight": p["weight"], "sequences": p["sequences"],
+             "tokens": p["sequences"] * (plan.seq_len + 1), "share": p["share"], "documents": p["documents"]}
+            for p in stats["sources"]
+        ],
+        "seconds": round(time.perf_counter() - start, 3),
+    }
+
+
+def format_table(report: dict) -> str:
+    """The audit report for people."""
+    rows = [
+        ("sources", ", ".join(report["sources"])),
+        ("seq_len / shards / separator", f"{report['seq_len']} / {report['num_shards']} / {report['separator']}"),
+        ("walked", report["mode"]),
+        ("documents", f"{report['documents']:,}"),
+        ("document tokens", f"{report['tokens']:,}"),
+        ("packed sequences", f"{report['sequences']:,} ({report['sequence_tokens']:,} tokens)"),
+        ("document boundaries", f"{report['boundaries']:,}"),
+        ("separators per boundary", f"{report['separators_per_boundary']:.4f}"),
+        ("doubled separators", f"{report['doubled_separators']:,}"),
+        ("boundaries without separator", f"{report['missing_separators']:,}"),
+        ("tokenizer-added separators removed", f"{report['stripped_separators']:,}"),
+        ("skipped: empty", f"{report['skipped_empty']:,}"),
+        ("skipped: malformed", f"{report['skipped_malformed']:,}"),
+        ("skipped: undecodable", f"{report['skipped_undecodable']:,}"),
+        ("long documents", f"{report['long_documents']:,}"),
+        ("truncated documents", f"{report['truncated_documents']:,}"),
+        ("epochs completed (slowest shard)", str(report["epochs_completed"])),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    lines += ["", f"{'mixture source':<40} {'weight':>8} {'share':>8} {'sequences':>11} {'documents':>10}"]
+    for m in report["mixture"]:
+        lines.append(f"{m['source'][:40]:<40} {m['weight']:>8.4f} {m['share']:>8.4f} {m['sequences']:>11,} "
+                     f"{m['documents']:>10,}")
+    lines.append(f"\n({report['seconds']} s)")
+    return "\n".join(lines)

@@ -1,0 +1,109 @@
+"""``trainer data ...`` subcommands: audit and prepare.
+
+    trainer data audit [--json] [--sequences N] [CONFIG OVERRIDES]
+    trainer data prepare --output DIR [--source SPEC] [--workers N] [--overwrite] [CONFIG OVERRIDES]
+
+Config overrides are the training command line (``--job.config_file x.toml --training.seq_len 256``),
+optionally after a ``--``; without any, the defaults (the bundled Shakespeare corpus and the debug
+tokenizer) are used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _build_tokenizer(config):
+    from tokenizer import DEBUG_TOKENIZER_PATH, build_tokenizer
+
+    return build_tokenizer(config.model.tokenizer_path or DEBUG_TOKENIZER_PATH)
+
+
+def _split_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    if "--" in argv:
+        cut = argv.index("--")
+        args, unknown = parser.parse_known_args(argv[:cut])
+        return args, unknown + argv[cut + 1:]
+    return parser.parse_known_args(argv)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trainer data", description="Inspect and prepare training data.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("audit", help="report documents, tokens, sequences, separators, skips and mixture shares",
+                       description="Walk the training data of a config (one pass by default) and report on it. "
+                                   "Other options are config overrides, as for training.")
+    a.add_argument("--json", action="store_true", help="print the report as JSON (for scripts)")
+    a.add_argument("--sequences", type=int, default=None,
+                   help="stop after this many packed sequences (default: one full pass over the data)")
+    p = sub.add_parser("prepare", help="tokenize a corpus into memory-mapped token files (the fastest source)",
+                       description="Tokenize a source in parallel into a folder usable as a 'tokens:DIR' source. "
+                                   "Other options are config overrides, as for training.")
+    p.add_argument("--output", "-o", required=True, help="output folder")
+    p.add_argument("--source", default=None,
+                   help="source spec, e.g. 'jsonl:/data/*.jsonl' (default: the config's single training source)")
+    p.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: all CPUs)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing prepared folder")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``trainer data``; returns the process exit code."""
+    from trainer.config import ConfigError, load_config
+    from trainer.data.sources import DataError
+
+    parser = _parser()
+    args, overrides = _split_overrides(parser, list(argv))
+    try:
+        config = load_config(overrides)
+        tokenizer = _build_tokenizer(config)
+        if args.command == "audit":
+            return _audit(args, config, tokenizer)
+        return _prepare(args, config, tokenizer)
+    except (ConfigError, DataError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _audit(args, config, tokenizer) -> int:
+    from trainer.data.audit import audit, format_table
+
+    if args.sequences is not None and args.sequences < 1:
+        print("error: --sequences must be >= 1", file=sys.stderr)
+        return 2
+    report = audit(config, tokenizer, max_sequences=args.sequences)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_table(report))
+    return 0
+
+
+def _prepare(args, config, tokenizer) -> int:
+    from trainer.config import ConfigError
+    from trainer.data.prepare import prepare
+    from trainer.data.sources import training_specs
+
+    if args.source is not None:
+        source = args.source
+    else:
+        specs, _ = training_specs(config)
+        if len(specs) != 1:
+            raise ConfigError("the config trains on a mixture; choose one source with --source")
+        source = specs[0]
+    meta = prepare(source, args.output, tokenizer, workers=args.workers, text_field=config.data.text_field,
+                   text_document=config.data.text_document, overwrite=args.overwrite,
+                   progress=not args.no_progress)
+    s = meta["stats"]
+    print(f"wrote {args.output}: {s['documents']:,} documents, {s['tokens']:,} tokens ({meta['dtype']}); skipped "
+          f"empty {s['skipped_empty']:,}, malformed {s['skipped_malformed']:,}, undecodable {s['skipped_undecodable']:,}")
+    print(f"train on it with --data.sources tokens:{args.output} (or --training.dataset tokens "
+          f"--training.dataset_path {args.output})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,532 @@
+"""Loaders: the sharded training stream over data-parallel ranks and workers, its state, validation.
+
+The global stream
+-----------------
+There are N = data.num_shards logical shards (ShardStream). Global sequence number i is sequence
+number i // N of shard i % N, and global step k is made of the global sequences [k*G, (k+1)*G) with G
+the global batch size. None of this mentions the number of ranks W or of loader workers, so every step
+trains on the same set of sequences for any W and any number of workers (invariant 1).
+
+Rank r takes the global sequences i = W*l + r (l = 0, 1, ... its local sequence number), which all come
+from the shards j with j % W == r (W divides N), in micro-batches of local_batch_size consecutive l.
+Loader worker w of K takes the rank's micro-batches w, w + K, ... (the order in which
+StatefulDataLoader hands them out). When N is a multiple of W * local_batch_size * K every shard is read
+by exactly one worker; otherwise a worker also skips through sequences of shared shards that other
+workers produce (same result, more tokenizing) and the loader logs a warning.
+
+State
+-----
+Everything a shard needs to continue is its ShardStream state (a few integers per source), so the state
+of a rank is {local sequences consumed, states of its shards}; the states of all ranks merge into one
+global state {global sequences consumed, states of all shards}, which any number of ranks W' dividing N
+can load (rank r' takes the shards j % W' == r'). Nothing is read twice or skipped: each shard continues
+exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import warnings
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from trainer.data.pipeline import STAT_KEYS, DataPlan, ShardStream, Window
+from trainer.data.sources import (
+    DataError, SourceOptions, SourceSpec, build_source, training_specs, validation_spec,
+)
+
+logger = logging.getLogger(__name__)
+
+STATE_FORMAT = "trainer.data/1"
+_STATE_KEY = "trainer_data_state"
+_PROBE = "The quick brown fox jumps over the lazy dog. 0123 àéîõü 日本語\n\tend."
+
+
+class DataStateError(ValueError):
+    """A data-loader state that cannot be loaded into this loader (other data, shard count, rank layout)."""
+
+
+def _config_error(msg: str) -> Exception:
+    from trainer.config import ConfigError  # lazy: trainer.config imports trainer.data.config
+
+    return ConfigError(msg)
+
+
+# --------------------------------------------------------------------------------------------------
+# Building a plan from the config
+# --------------------------------------------------------------------------------------------------
+
+
+def tokenizer_fingerprint(tokenizer) -> dict:
+    """Identifies a tokenizer well enough to refuse pre-tokenized data made with another one."""
+    probe = hashlib.sha1(np.asarray(tokenizer.encode(_PROBE), dtype=np.int64).tobytes()).hexdigest()[:16]
+    return {"vocab_size": int(tokenizer.vocab_size), "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id,
+            "probe": probe}
+
+
+def data_seed(config) -> int:
+    if config.data.seed is not None:
+        return int(config.data.seed)
+    return int(config.debug.seed) if config.debug.seed is not None else 0
+
+
+def _check_data_section(d) -> None:
+    for key, minimum in (("num_shards", 1), ("num_workers", 0), ("prefetch_factor", 1), ("shuffle_window", 1),
+                         ("max_document_tokens", 0), ("long_document_windows", 1)):
+        value = getattr(d, key)
+        if value < minimum:
+            raise _config_error(f"data.{key} must be >= {minimum}, got {value}")
+
+
+def build_plan(config, tokenizer, specs: list[SourceSpec], weights: list[float], *, num_shards: int,
+               shuffle: bool, max_epochs: int | None) -> DataPlan:
+    """Resolve sources (start-up errors for missing files happen here) and the packing settings."""
+    d = config.data
+    _check_data_section(d)
+    sep_id = tokenizer.bos_id if d.separator == "bos" else tokenizer.eos_id
+    if sep_id is None:
+        raise _config_error(f"data.separator: the tokenizer has no {d.separator.upper()} token; choose the other one")
+    seed = data_seed(config)
+    fingerprint = tokenizer_fingerprint(tokenizer) if any(s.kind == "tokens" for s in specs) else {}
+    opts = SourceOptions(text_field=d.text_field, text_document=d.text_document, seed=seed, shuffle=shuffle,
+                         shuffle_window=d.shuffle_window, tokenizer_fingerprint=fingerprint)
+    sources = [build_source(spec, i, opts) for i, spec in enumerate(specs)]
+    for src in sources:
+        if src.partition == "modulo" and len(src.units) < num_shards:
+            raise _config_error(
+                f"{src.spec.key}: {len(src.units)} files, one document each (data.text_document = file), cannot "
+                f"feed data.num_shards = {num_shards} shards; lower data.num_shards or use more files"
+            )
+        # Too many shards for small data is a likely mistake: say so now rather than at the first batch.
+        if src.check_cost() * num_shards <= 100_000:
+            empty = [j for j in range(num_shards) if src.shard_is_empty(j, num_shards)]
+            if empty:
+                raise _config_error(
+                    f"{src.spec.key}: {src.label} is too small for data.num_shards = {num_shards}: {len(empty)} "
+                    f"shard(s) would hold no document (e.g. shard {empty[0]}); lower data.num_shards"
+                )
+    strip = tuple(t for t in (tokenizer.bos_id, tokenizer.eos_id) if t is not None)
+    return DataPlan(
+        sources=sources, weights=list(weights), tokenizer=tokenizer, seq_len=int(config.training.seq_len),
+        separator=d.separator, separator_id=int(sep_id), strip_ids=strip, num_shards=num_shards, seed=seed,
+        shuffle=shuffle, shuffle_window=d.shuffle_window, max_document_tokens=d.max_document_tokens,
+        long_document_windows=d.long_document_windows, positions=d.document_positions, debug=d.debug_doc_ids,
+        max_epochs=max_epochs,
+    )
+
+
+def batch_geometry(config, dp_world_size: int) -> tuple[int, int, int]:
+    """(local batch B, global batch G, micro-batches per step A) with ConfigErrors naming the keys."""
+    t = config.training
+    b = int(t.local_batch_size)
+    g = int(t.global_batch_size) if t.global_batch_size != -1 else b * dp_world_size
+    if b < 1 or g < 1 or g % (b * dp_world_size):
+        raise _config_error(
+            f"training.global_batch_size ({g}) must be a multiple of training.local_batch_size ({b}) x the "
+            f"data-parallel degree ({dp_world_size})"
+        )
+    if config.data.num_shards % dp_world_size:
+        raise _config_error(
+            f"data.num_shards ({config.data.num_shards}) must be divisible by the data-parallel degree "
+            f"({dp_world_size})"
+        )
+    return b, g, g // (b * dp_world_size)
+
+
+# --------------------------------------------------------------------------------------------------
+# Batches
+# --------------------------------------------------------------------------------------------------
+
+
+def collate_arrays(windows: list[Window], plan: DataPlan) -> dict[str, np.ndarray]:
+    """Stack windows into a micro-batch of int64 arrays: input/labels [B, seq_len] (labels = input
+    shifted by one), positions [B, seq_len], and the debugging arrays."""
+    tokens = np.stack([w.tokens for w in windows])
+    batch = {"input": np.ascontiguousarray(tokens[:, :-1]), "labels": np.ascontiguousarray(tokens[:, 1:])}
+    if plan.positions:
+        batch["positions"] = np.ascontiguousarray(np.stack([w.positions for w in windows])[:, :-1])
+    if plan.debug:
+        batch["doc_ids"] = np.stack([w.doc_ids for w in windows])
+        batch["doc_positions"] = np.stack([w.positions for w in windows])
+        batch["source"] = np.array([w.source for w in windows], dtype=np.int64)
+        batch["shard"] = np.array([w.shard for w in windows], dtype=np.int64)
+    return batch
+
+
+def to_tensors(batch: dict[str, np.ndarray], pin_memory: bool = False) -> dict[str, torch.Tensor]:
+    out = {k: torch.from_numpy(v) for k, v in batch.items()}
+    if pin_memory:
+        out = {k: v.pin_memory() for k, v in out.items()}
+    return out
+
+
+def collate(windows: list[Window], plan: DataPlan) -> dict[str, torch.Tensor]:
+    """collate_arrays as LongTensors."""
+    return to_tensors(collate_arrays(windows, plan))
+
+
+def _keep(batch):
+    # Workers send numpy arrays: pickled through the worker's pipe, which for batches of this size is
+    # much cheaper than sharing every tensor through its own shared-memory file descriptor.
+    return batch
+
+
+class _RankDataset(IterableDataset):
+    """One rank's micro-batches; inside loader worker w of K, only micro-batches w, w+K, ... ."""
+
+    def __init__(self, plan: DataPlan, rank: int, world: int, batch_size: int, start: dict):
+        self.plan, self.rank, self.world, self.batch_size = plan, rank, world, batch_size
+        self.start = start  # {"sequences": local sequences consumed, "shards": {str(j): ShardStream state}}
+        self._streams: dict[int, ShardStream] = {}
+        self._replayed = 0  # sequences generated only to skip them (shards shared between workers)
+
+    # Stateful protocol: StatefulDataLoader snapshots this after every micro-batch a worker produces.
+    # The state travels as one JSON string: StatefulDataLoader flattens nested states key by key to
+    # diff them and rebuilds them after every batch, which costs milliseconds for a few hundred keys.
+    def state_dict(self) -> dict:
+        state = {"shards": {str(j): s.state_dict() for j, s in self._streams.items()}, "replayed": self._replayed}
+        return {_STATE_KEY: json.dumps(state, separators=(",", ":"))}
+
+    def load_state_dict(self, sd: dict) -> None:
+        # Only reached through StatefulDataLoader.load_state_dict, which TrainLoader never calls: a
+        # TrainLoader restarts its loader from its own (re-partitionable) state instead.
+        for j, st in json.loads(sd[_STATE_KEY])["shards"].items():
+            self.start["shards"][j] = st
+
+    def _stream(self, j: int) -> ShardStream:
+        stream = self._streams.get(j)
+        if stream is None:
+            stream = self._streams[j] = ShardStream(j, self.plan)
+            saved = self.start["shards"].get(str(j))
+            if saved is not None:
+                stream.load_state_dict(saved)
+        return stream
+
+    def __iter__(self) -> Iterator[dict]:
+        info = get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        n_shards, world, rank, b = self.plan.num_shards, self.world, self.rank, self.batch_size
+        self._streams, self._replayed = {}, 0
+        first = int(self.start["sequences"])
+        micro = worker
+        while True:
+            windows = []
+            for local in range(first + micro * b, first + (micro + 1) * b):
+                i = world * local + rank  # global sequence number
+                stream, n = self._stream(i % n_shards), i // n_shards
+                if stream.n > n:
+                    raise DataError(f"data state of shard {i % n_shards} is ahead of the loader ({stream.n} > {n})")
+                while stream.n < n:  # only when loader workers share a shard (see the module docstring)
+                    stream.next()
+                    self._replayed += 1
+                windows.append(stream.next())
+            micro += num_workers
+            yield collate_arrays(windows, self.plan)
+
+
+def _find_dataset_states(obj: Any) -> list[dict]:
+    """The _RankDataset states inside a StatefulDataLoader state (one per worker, or the in-process one)."""
+    found = []
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if key == _STATE_KEY and isinstance(value, str):
+                found.append(json.loads(value))
+            else:
+                found.extend(_find_dataset_states(value))
+    return found
+
+
+def _merge_shards(base: dict, newer: list[dict]) -> dict:
+    shards = copy.deepcopy(base)
+    for state in newer:
+        for j, st in state["shards"].items():
+            if j not in shards or st["n"] >= shards[j]["n"]:
+                shards[j] = copy.deepcopy(st)
+    return shards
+
+
+# --------------------------------------------------------------------------------------------------
+# Training loader
+# --------------------------------------------------------------------------------------------------
+
+
+class TrainLoader:
+    """The training micro-batches of one data-parallel rank (an endless iterator).
+
+    Each ``next()`` gives one micro-batch: {"input", "labels"} (LongTensor [local_batch_size, seq_len]),
+    plus "positions" with data.document_positions and debugging tensors with data.debug_doc_ids. The
+    trainer draws ``grad_accum_steps`` micro-batches per optimizer step.
+
+    ``state_dict()`` is this rank's state (JSON-able); ``merge_states([...])`` of all ranks' states is a
+    global state that ``load_state_dict`` / ``load_global_state`` accept with any data-parallel degree
+    dividing data.num_shards (and the same micro-batch alignment).
+    """
+
+    def __init__(self, plan: DataPlan, *, dp_rank: int, dp_world_size: int, local_batch_size: int,
+                 global_batch_size: int, num_workers: int = 0, prefetch_factor: int = 2, pin_memory: bool = False):
+        self.plan = plan
+        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+        self.local_batch_size, self.global_batch_size = local_batch_size, global_batch_size
+        self.grad_accum_steps = global_batch_size // (local_batch_size * dp_world_size)
+        self.num_workers, self.prefetch_factor, self.pin_memory = num_workers, prefetch_factor, pin_memory
+        self._start: dict = {"sequences": 0, "shards": {}}
+        self._loader = None
+        self._iter = None
+        self._yielded = 0
+
+    @staticmethod
+    def merge_states(states: list[dict]) -> dict:
+        """Same as the module-level merge_states."""
+        return merge_states(states)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if self._iter is None:
+            from torchdata.stateful_dataloader import StatefulDataLoader
+
+            dataset = _RankDataset(self.plan, self.dp_rank, self.dp_world_size, self.local_batch_size,
+                                   copy.deepcopy(self._start))
+            kwargs: dict[str, Any] = {}
+            if self.num_workers > 0:
+                kwargs.update(prefetch_factor=self.prefetch_factor, persistent_workers=False)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata 0.11 on torch >= 2.9
+                self._loader = StatefulDataLoader(dataset, batch_size=None, num_workers=self.num_workers,
+                                                  collate_fn=_keep, snapshot_every_n_steps=1, **kwargs)
+                self._iter = iter(self._loader)
+            self._yielded = 0
+        batch = next(self._iter)
+        self._yielded += 1
+        return to_tensors(batch, self.pin_memory)
+
+    def close(self) -> None:
+        """Stop the worker processes (the next ``next()`` starts them again from the current state)."""
+        if self._iter is not None:
+            state = self.state_dict()
+            self._start = {"sequences": state["sequences"], "shards": state["shards"]}
+        self._reset()
+
+    def _reset(self) -> None:
+        self._iter = None
+        self._loader = None
+        self._yielded = 0
+
+    # -- state ----------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """This rank's position: local sequences consumed and the state of each of its shards."""
+        shards = self._start["shards"]
+        if self._loader is not None and self._yielded:
+            shards = _merge_shards(shards, _find_dataset_states(self._loader.state_dict()))
+        else:
+            shards = copy.deepcopy(shards)
+        return {
+            "format": STATE_FORMAT, "kind": "rank", "fingerprint": self.plan.fingerprint(),
+            "num_shards": self.plan.num_shards, "dp_rank": self.dp_rank, "dp_world_size": self.dp_world_size,
+            "local_batch_size": self.local_batch_size,
+            "sequences": int(self._start["sequences"]) + self._yielded * self.local_batch_size,
+            "shards": shards,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a state of this rank (same data-parallel layout) or from a global state."""
+        self._check(state)
+        if state["kind"] == "global":
+            self.load_global_state(state)
+            return
+        if (state["dp_world_size"], state["dp_rank"]) != (self.dp_world_size, self.dp_rank):
+            raise DataStateError(
+                f"data state of rank {state['dp_rank']} of {state['dp_world_size']} cannot be loaded by rank "
+                f"{self.dp_rank} of {self.dp_world_size}; save merge_states([...]) of all ranks and load that"
+            )
+        self._start = {"sequences": int(state["sequences"]), "shards": copy.deepcopy(state["shards"])}
+        self._reset()
+
+    def load_global_state(self, state: dict) -> None:
+        """Take this rank's shards (j % dp_world_size == dp_rank) of a merged state, for any world size."""
+        self._check(state)
+        if state["kind"] != "global":
+            raise DataStateError("load_global_state needs a merged state: merge_states([...]) of all ranks")
+        total, world = int(state["sequences"]), self.dp_world_size
+        if total % world or (total // world) % self.local_batch_size:
+            raise DataStateError(
+                f"the data state is at global sequence {total}, which is not a micro-batch boundary for "
+                f"{world} ranks x local_batch_size {self.local_batch_size}; save it at a step boundary"
+            )
+        shards = {j: copy.deepcopy(st) for j, st in state["shards"].items() if int(j) % world == self.dp_rank}
+        self._start = {"sequences": total // world, "shards": shards}
+        self._reset()
+
+    def _check(self, state: dict) -> None:
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise DataStateError(f"not a data-loader state of format {STATE_FORMAT!r}")
+        if state["num_shards"] != self.plan.num_shards:
+            raise DataStateError(
+                f"the data state has {state['num_shards']} shards but data.num_shards is {self.plan.num_shards}; "
+                "keep data.num_shards fixed for a run"
+            )
+        _check_fingerprint(state["fingerprint"], self.plan.fingerprint())
+
+    # -- counters -------------------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> dict:
+        """Counters of this rank's shards so far (see aggregate_stats)."""
+        state = self.state_dict()
+        owned = [j for j in range(self.plan.num_shards) if j % self.dp_world_size == self.dp_rank]
+        stats = aggregate_stats(state["shards"], self.plan, owned)
+        replayed = 0
+        if self._loader is not None and self._yielded:
+            replayed = sum(s.get("replayed", 0) for s in _find_dataset_states(self._loader.state_dict()))
+        # Sequences generated and thrown away to reach a shard's position: 0 unless loader workers share
+        # shards (see build_train_loader's warning) or a state lacked a shard.
+        stats["replayed_sequences"] = replayed
+        return stats
+
+
+def _check_fingerprint(saved: dict, current: dict) -> None:
+    if saved == current:
+        return
+    diffs = [k for k in current if saved.get(k) != current.get(k)]
+    detail = "; ".join(f"{k}: checkpoint {saved.get(k)!r}, now {current.get(k)!r}" for k in diffs)
+    raise DataStateError(f"the data changed since the data state was saved ({detail})")
+
+
+def merge_states(states: list[dict]) -> dict:
+    """Merge the state_dict() of every data-parallel rank (any order) into one global state.
+
+    Pure Python on JSON-able dicts: the lead all-gathers the per-rank states at save time and stores the
+    result, which TrainLoader.load_state_dict / load_global_state load with any data-parallel degree.
+    """
+    states = list(states)
+    if not states:
+        raise DataStateError("merge_states needs at least one state")
+    if len(states) == 1 and states[0].get("kind") == "global":
+        return copy.deepcopy(states[0])
+    for s in states:
+        if not isinstance(s, dict) or s.get("format") != STATE_FORMAT or s.get("kind") != "rank":
+            raise DataStateError("merge_states takes the state_dict() of every rank")
+    world = states[0]["dp_world_size"]
+    ranks = sorted(s["dp_rank"] for s in states)
+    if ranks != list(range(world)) or any(s["dp_world_size"] != world for s in states):
+        raise DataStateError(f"merge_states needs exactly one state of each of the {world} ranks, got ranks {ranks}")
+    positions = {s["sequences"] for s in states}
+    if len(positions) != 1:
+        raise DataStateError(f"the ranks' data states are at different positions ({sorted(positions)} sequences)")
+    for s in states[1:]:
+        _check_fingerprint(s["fingerprint"], states[0]["fingerprint"])
+        if s["num_shards"] != states[0]["num_shards"]:
+            raise DataStateError("the ranks' data states have different shard counts")
+    shards: dict[str, dict] = {}
+    for s in states:
+        shards.update(copy.deepcopy(s["shards"]))
+    return {"format": STATE_FORMAT, "kind": "global", "fingerprint": copy.deepcopy(states[0]["fingerprint"]),
+            "num_shards": states[0]["num_shards"], "sequences": world * positions.pop(), "shards": shards}
+
+
+def aggregate_stats(shard_states: dict, plan: DataPlan, shards: list[int] | None = None) -> dict:
+    """Sum the counters of shard states: documents, tokens, sequences, skipped_* , long/truncated,
+    epoch (completed epochs of the slowest shard-source with weight > 0), and per-source shares."""
+    total = dict.fromkeys(STAT_KEYS, 0)
+    total["sequences"] = 0
+    per_source = [{"source": s.label, "weight": w, "sequences": 0, "documents": 0, "tokens": 0}
+                  for s, w in zip(plan.sources, plan.weights)]
+    epochs: list[int] = []
+    shard_ids = range(plan.num_shards) if shards is None else shards
+    for j in shard_ids:
+        sources = shard_states.get(str(j), {}).get("sources", {})
+        for s, w in enumerate(plan.weights):
+            st = sources.get(str(s))
+            if st is None:
+                if w > 0:
+                    epochs.append(0)
+                continue
+            for k in STAT_KEYS:
+                total[k] += int(st["stats"].get(k, 0))
+            total["sequences"] += int(st["sequences"])
+            per_source[s]["sequences"] += int(st["sequences"])
+            per_source[s]["documents"] += int(st["stats"].get("documents", 0))
+            per_source[s]["tokens"] += int(st["stats"].get("tokens", 0))
+            if w > 0:
+                epochs.append(int(st["reader"]["epoch"]))
+    for p in per_source:
+        p["share"] = p["sequences"] / total["sequences"] if total["sequences"] else 0.0
+    total["epoch"] = min(epochs) if epochs else 0
+    total["max_epoch"] = max(epochs) if epochs else 0
+    total["sources"] = per_source
+    return total
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation loader
+# --------------------------------------------------------------------------------------------------
+
+
+class ValLoader:
+    """One deterministic pass over the validation source each time it is iterated.
+
+    The validation data is packed as a single stream in file order (no shuffling); round t holds its
+    sequences [t*W*B, (t+1)*W*B) and rank r gets those numbered r mod W. Only complete rounds are
+    used, so every rank yields the same number of batches (a final partial round is dropped).
+    """
+
+    def __init__(self, plan: DataPlan, *, dp_rank: int, dp_world_size: int, local_batch_size: int):
+        self.plan, self.dp_rank, self.dp_world_size = plan, dp_rank, dp_world_size
+        self.local_batch_size = local_batch_size
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        stream = ShardStream(0, self.plan)
+        per_round = self.dp_world_size * self.local_batch_size
+        while True:
+            round_windows = []
+            try:
+                for _ in range(per_round):
+                    round_windows.append(stream.next())
+            except StopIteration:
+                return
+            yield to_tensors(collate_arrays(round_windows[self.dp_rank::self.dp_world_size], self.plan))
+
+
+# --------------------------------------------------------------------------------------------------
+# Public builders
+# --------------------------------------------------------------------------------------------------
+
+
+def build_train_loader(config, tokenizer, *, dp_rank: int, dp_world_size: int) -> TrainLoader:
+    """The training loader of one data-parallel rank (see TrainLoader). Raises ConfigError for impossible
+    settings and for missing data, before any worker starts."""
+    if not 0 <= dp_rank < dp_world_size:
+        raise ValueError(f"dp_rank {dp_rank} out of range for dp_world_size {dp_world_size}")
+    b, g, _ = batch_geometry(config, dp_world_size)
+    specs, weights = training_specs(config)
+    d = config.data
+    plan = build_plan(config, tokenizer, specs, weights, num_shards=d.num_shards, shuffle=d.shuffle, max_epochs=None)
+    workers = max(1, d.num_workers)
+    if workers > 1 and (d.num_shards // dp_world_size) % (b * workers):
+        logger.warning(
+            "data.num_shards (%d) is not a multiple of data-parallel degree (%d) x local_batch_size (%d) x "
+            "data.num_workers (%d): loader workers will share shards and tokenize some data twice",
+            d.num_shards, dp_world_size, b, workers,
+        )
+    return TrainLoader(plan, dp_rank=dp_rank, dp_world_size=dp_world_size, local_batch_size=b,
+                       global_batch_size=g, num_workers=d.num_workers, prefetch_factor=d.prefetch_factor,
+                       pin_memory=d.pin_memory)
+
+
+def build_val_loader(config, tokenizer, *, dp_rank: int, dp_world_size: int) -> ValLoader:
+    """The validation batches of one rank: a fresh, deterministic pass each time it is iterated."""
+    if not 0 <= dp_rank < dp_world_size:
+        raise ValueError(f"dp_rank {dp_rank} out of range for dp_world_size {dp_world_size}")
+    b = int(config.validation.local_batch_size)
+    if b < 1:
+        raise _config_error(f"validation.local_batch_size must be >= 1, got {b}")
+    plan = build_plan(config, tokenizer, [validation_spec(config)], [1.0], num_shards=1, shuffle=False, max_epochs=1)
+    return ValLoader(plan, dp_rank=dp_rank, dp_world_size=dp_world_size, local_batch_size=b)

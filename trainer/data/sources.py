@@ -1,0 +1,657 @@
+"""Data sources: from a "kind:path" spec to files, and from a shard's part of a file to raw documents.
+
+A source is a list of *units* (files; one stream for a Hugging Face dataset). Each unit has a coordinate
+space (byte offsets for line-based files, row numbers for columnar files, a running count for HF
+streams) and every document has a start coordinate. A shard owns one contiguous coordinate range of
+every unit (``part``), so N shards split each file N ways without anybody reading a byte twice, and a
+reader can resume in the middle of a part from a coordinate alone (``iter_docs(start=...)``).
+
+Documents come out raw (``payload``) and are decoded lazily by ``decode`` into ``(status, text)`` or
+``(status, token array)``, so bad data is counted where it is consumed (see documents.py).
+
+The pre-tokenized format written by ``prepare`` keeps the original coordinates of every document, so a
+``tokens`` source splits into shards and blocks exactly as the text it came from: the same config gives
+the same sequences on either path.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+# Document status codes (also stored, in the low two bits, in a prepared dataset's status array).
+OK, EMPTY, MALFORMED, UNDECODABLE = 0, 1, 2, 3
+# Bits 2 and 3 of a prepared status byte: the tokenizer had added a leading / trailing separator that was
+# removed at prepare time (kept so that audit counts the same on both paths).
+STRIPPED_LEADING, STRIPPED_TRAILING = 4, 8
+
+KINDS = ("jsonl", "text", "parquet", "arrow", "tokens", "hf")
+SAMPLE_DIR = Path(__file__).resolve().parent / "sample"
+# Registered dataset names -> {split: (kind, path)}.
+REGISTRY: dict[str, dict[str, tuple[str, str]]] = {
+    "shakespeare": {
+        "train": ("jsonl", str(SAMPLE_DIR / "shakespeare_train.jsonl")),
+        "validation": ("jsonl", str(SAMPLE_DIR / "shakespeare_val.jsonl")),
+    },
+}
+_EXTENSIONS = {
+    ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
+    ".txt": "text", ".text": "text", ".md": "text",
+    ".parquet": "parquet", ".arrow": "arrow",
+}
+TOKENS_META = "meta.json"
+TOKENS_FORMAT = "trainer-tokens-v1"
+# A line-based block stops after this many bytes even if it holds fewer than shuffle_window documents.
+BLOCK_BYTES = 8 << 20
+_MISSING = object()
+
+
+def _config_error(msg: str) -> Exception:
+    from trainer.config import ConfigError  # lazy: trainer.config imports trainer.data.config
+
+    return ConfigError(msg)
+
+
+class DataError(RuntimeError):
+    """Data that cannot be trained on (a shard with no usable documents, a file that changed, ...)."""
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One parsed source: kind, location, and the config key it came from (for error messages)."""
+
+    kind: str
+    path: str
+    key: str
+    label: str
+    hf_config: str | None = None
+    split: str | None = None
+
+
+@dataclass(frozen=True)
+class SourceOptions:
+    """Settings a source needs to read documents (all picklable, shipped to loader workers)."""
+
+    text_field: str = "text"
+    text_document: str = "line"
+    seed: int = 0
+    shuffle: bool = True
+    shuffle_window: int = 1024
+    tokenizer_fingerprint: dict = field(default_factory=dict, hash=False, compare=False)
+
+
+def parse_source(text: str, *, key: str, split: str = "train") -> SourceSpec:
+    """Parse "kind:path", a registered name ("shakespeare", "shakespeare@validation") or a bare path.
+
+    HF specs are "hf:NAME_OR_PATH[#CONFIG][@SPLIT]". A bare path's kind comes from its extension, or is
+    "tokens" for a folder written by ``trainer data prepare``.
+    """
+    raw = text.strip()
+    if not raw:
+        raise _config_error(f"{key}: empty source")
+    name, _, at_split = raw.partition("@")
+    if name in REGISTRY:
+        use_split = at_split or split
+        if use_split not in REGISTRY[name]:
+            raise _config_error(f"{key}: dataset {name!r} has no split {use_split!r}; splits: {sorted(REGISTRY[name])}")
+        kind, path = REGISTRY[name][use_split]
+        return SourceSpec(kind, path, key, raw)
+    m = re.match(r"^([A-Za-z][A-Za-z0-9_]+):(.*)$", raw)
+    if m and not os.path.exists(raw):
+        kind, rest = m.group(1).lower(), m.group(2)
+        if kind not in KINDS:
+            raise _config_error(
+                f"{key}: unknown source kind {m.group(1)!r} in {raw!r}; kinds: {', '.join(KINDS)} "
+                f"(or a registered dataset: {', '.join(REGISTRY)})"
+            )
+        if kind == "hf":
+            rest, _, hf_split = rest.rpartition("@") if "@" in rest else (rest, "", "")
+            rest, _, hf_config = rest.partition("#")
+            default_split = "validation" if split == "validation" else "train"
+            return SourceSpec("hf", rest, key, raw, hf_config or None, hf_split or default_split)
+        return SourceSpec(kind, rest, key, raw)
+    return SourceSpec(_infer_kind(raw, key), raw, key, raw)
+
+
+def _infer_kind(path: str, key: str) -> str:
+    expanded = os.path.expanduser(path)
+    if os.path.isdir(expanded) and os.path.isfile(os.path.join(expanded, TOKENS_META)):
+        return "tokens"
+    suffix = Path(path.rstrip("*")).suffix.lower()
+    if suffix in _EXTENSIONS:
+        return _EXTENSIONS[suffix]
+    raise _config_error(
+        f"{key}: cannot tell the source kind of {path!r}; write it as KIND:PATH with KIND one of {', '.join(KINDS)}"
+    )
+
+
+def training_specs(config) -> tuple[list[SourceSpec], list[float]]:
+    """The training sources and their normalised weights, from data.sources or training.dataset."""
+    d, t = config.data, config.training
+    if d.sources:
+        explicit = getattr(config, "explicitly_set", lambda _k: False)
+        clash = [k for k in ("training.dataset", "training.dataset_path") if explicit(k)]
+        if clash:
+            raise _config_error(f"set either data.sources or {' / '.join(clash)}, not both")
+        specs = [parse_source(s, key=f"data.sources[{i}]") for i, s in enumerate(d.sources)]
+    else:
+        specs = [_single_spec(t.dataset, t.dataset_path, "training", "train")]
+    weights = list(d.weights) if d.weights else [1.0] * len(specs)
+    if len(weights) != len(specs):
+        raise _config_error(
+            f"data.weights has {len(weights)} entries but there are {len(specs)} sources (data.sources); "
+            "give one weight per source"
+        )
+    for i, w in enumerate(weights):
+        if not (w >= 0.0) or w == float("inf"):
+            raise _config_error(f"data.weights[{i}] must be a finite number >= 0, got {w}")
+    total = sum(weights)
+    if total <= 0:
+        raise _config_error("data.weights: at least one weight must be > 0")
+    return specs, [w / total for w in weights]
+
+
+def validation_spec(config) -> SourceSpec:
+    v = config.validation
+    return _single_spec(v.dataset, v.dataset_path, "validation", "validation")
+
+
+def _single_spec(dataset: str, dataset_path: str, section: str, split: str) -> SourceSpec:
+    key = f"{section}.dataset"
+    if dataset in REGISTRY:
+        if dataset_path:
+            kind = REGISTRY[dataset][split][0]
+            return SourceSpec(kind, dataset_path, f"{section}.dataset_path", f"{kind}:{dataset_path}")
+        return parse_source(dataset, key=key, split=split)
+    if dataset in KINDS:
+        if not dataset_path:
+            raise _config_error(f"{section}.dataset_path is required when {key} is the source kind {dataset!r}")
+        return parse_source(f"{dataset}:{dataset_path}", key=f"{section}.dataset_path", split=split)
+    if ":" in dataset and not dataset_path:
+        return parse_source(dataset, key=key, split=split)
+    raise _config_error(
+        f"{key}: unknown dataset or source kind {dataset!r}; registered datasets: {', '.join(REGISTRY)}; "
+        f"source kinds (with {section}.dataset_path): {', '.join(KINDS)}"
+    )
+
+
+def build_source(spec: SourceSpec, index: int, opts: SourceOptions) -> "Source":
+    """Resolve a spec to a Source; a missing file or a glob matching nothing is a ConfigError naming it."""
+    cls = {"jsonl": JsonlSource, "text": TextSource, "parquet": ParquetSource, "arrow": ArrowSource,
+           "tokens": TokenSource, "hf": HFSource}.get(spec.kind)
+    if cls is None:
+        raise _config_error(f"{spec.key}: unknown source kind {spec.kind!r}; kinds: {', '.join(KINDS)}")
+    return cls(spec, index, opts)
+
+
+def expand_files(spec: SourceSpec, extensions: tuple[str, ...]) -> list[str]:
+    """Files of a path, folder (searched recursively for `extensions`) or glob; sorted; never empty."""
+    path = os.path.expanduser(spec.path)
+    if any(ch in path for ch in "*?["):
+        files = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+        if not files:
+            raise _config_error(f"{spec.key}: no files match {spec.path!r}")
+        return files
+    if os.path.isdir(path):
+        files = sorted(
+            str(p) for p in Path(path).rglob("*") if p.is_file() and p.suffix.lower() in extensions
+        )
+        if not files:
+            raise _config_error(f"{spec.key}: folder {spec.path!r} holds no {'/'.join(extensions)} files")
+        return files
+    if not os.path.isfile(path):
+        raise _config_error(f"{spec.key}: no such file {spec.path!r}")
+    return [path]
+
+
+def range_part(size: int, shard: int, num_shards: int) -> tuple[int, int]:
+    """Shard `shard`'s contiguous slice [lo, hi) of a unit with coordinates 0..size."""
+    return size * shard // num_shards, size * (shard + 1) // num_shards
+
+
+# --------------------------------------------------------------------------------------------------
+# Sources
+# --------------------------------------------------------------------------------------------------
+
+
+class Source:
+    """Base class. Subclasses set ``units`` (names), ``sizes`` and implement iter_docs/decode."""
+
+    kind = "?"
+    coords_are_bytes = False  # blocks are also limited by BLOCK_BYTES when coordinates are byte offsets
+    partition = "range"  # "range": each shard gets a coordinate slice of every unit; "modulo": unit u -> shard u % N
+
+    def __init__(self, spec: SourceSpec, index: int, opts: SourceOptions):
+        self.spec, self.index, self.opts = spec, index, opts
+        self.units: list[str] = []
+        self.sizes: list[int] = []
+
+    @property
+    def label(self) -> str:
+        return self.spec.label
+
+    def part(self, unit: int, shard: int, num_shards: int) -> tuple[int, int]:
+        if self.partition == "modulo":
+            return (0, self.sizes[unit]) if unit % num_shards == shard else (0, 0)
+        return range_part(self.sizes[unit], shard, num_shards)
+
+    def iter_docs(self, unit: int, lo: int, hi: int, start: int, *, shard: int, num_shards: int,
+                  epoch: int) -> Iterator[tuple[int, int, Any]]:
+        """(coordinate, next coordinate, payload) of the documents starting in [start, hi); `start == lo`
+        means "from the beginning of the part" (which may need aligning to a document start)."""
+        raise NotImplementedError
+
+    def load(self, unit: int, coord: int, next_coord: int, payload: Any) -> Any:
+        """The payload of a document whose payload iter_docs left lazy (None)."""
+        return payload
+
+    def shard_is_empty(self, shard: int, num_shards: int) -> bool | None:
+        """Whether no document starts in the shard's parts (None: unknown without reading)."""
+        return all(lo >= hi for lo, hi in (self.part(u, shard, num_shards) for u in range(len(self.units))))
+
+    def check_cost(self) -> float:
+        """Relative cost of shard_is_empty (checked at start-up only when small)."""
+        return len(self.units)
+
+    def decode(self, payload: Any) -> tuple[int, Any]:
+        """(status, text) or (status, token array); status is OK, EMPTY, MALFORMED or UNDECODABLE."""
+        raise NotImplementedError
+
+    def uid(self, unit: int, coord: int, shard: int) -> int:
+        """A document id, unique in the source mixture: source index, unit and start coordinate."""
+        return (self.index << 56) | (unit << 40) | (coord & ((1 << 40) - 1))
+
+    def fingerprint(self) -> dict:
+        """What must not change between a checkpoint and its resumption."""
+        return {"kind": self.kind, "label": self.label, "units": len(self.units), "size": int(sum(self.sizes))}
+
+
+def _text_status(text: Any) -> tuple[int, Any]:
+    if isinstance(text, (bytes, bytearray)):
+        try:
+            text = bytes(text).decode("utf-8")
+        except UnicodeDecodeError:
+            return UNDECODABLE, None
+    if not isinstance(text, str):
+        return MALFORMED, None
+    if not text.strip():
+        return EMPTY, None
+    return OK, text
+
+
+class _LineFileSource(Source):
+    """Files where every line starting inside a shard's byte range is one of its documents."""
+
+    coords_are_bytes = True
+    extensions: tuple[str, ...] = ()
+
+    def __init__(self, spec, index, opts):
+        super().__init__(spec, index, opts)
+        self.units = expand_files(spec, self.extensions)
+        self.sizes = [os.path.getsize(p) for p in self.units]
+        self._fds: dict[int, int] = {}
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_fds"] = {}  # file descriptors stay in the process that opened them
+        return state
+
+    def iter_docs(self, unit, lo, hi, start, *, shard, num_shards, epoch):
+        with open(self.units[unit], "rb") as f:
+            if start == lo and lo > 0:
+                f.seek(lo - 1)
+                f.readline()  # the rest of the line holding byte lo-1 belongs to the previous part
+            else:
+                f.seek(start)
+            pos = f.tell()
+            while pos < hi:
+                line = f.readline()
+                if not line:
+                    return
+                yield pos, pos + len(line), None  # payload read again on use: blocks hold offsets only
+                pos += len(line)
+
+    def shard_is_empty(self, shard, num_shards):
+        for unit, path in enumerate(self.units):
+            lo, hi = self.part(unit, shard, num_shards)
+            if lo >= hi:
+                continue
+            if lo == 0:
+                return False
+            with open(path, "rb") as f:  # the first line start at or after lo
+                f.seek(lo - 1)
+                f.readline()
+                if f.tell() < hi:
+                    return False
+        return True
+
+    def check_cost(self):
+        # Seeks: only worth it for small data, where too many shards is a likely mistake.
+        return len(self.units) if sum(self.sizes) < (256 << 20) else float("inf")
+
+    def load(self, unit, coord, next_coord, payload):
+        fd = self._fds.get(unit)
+        if fd is None:
+            if len(self._fds) >= 32:
+                os.close(self._fds.pop(next(iter(self._fds))))
+            fd = self._fds[unit] = os.open(self.units[unit], os.O_RDONLY)
+        data = os.pread(fd, next_coord - coord, coord)  # pread: no shared file offset across forks
+        if len(data) != next_coord - coord:
+            raise DataError(f"{self.units[unit]} changed while reading (short read at byte {coord})")
+        return data
+
+
+class JsonlSource(_LineFileSource):
+    kind = "jsonl"
+    extensions = (".jsonl", ".json", ".ndjson")
+
+    def decode(self, payload):
+        try:
+            line = payload.decode("utf-8")
+        except UnicodeDecodeError:
+            return UNDECODABLE, None
+        if not line.strip():
+            return EMPTY, None
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            return MALFORMED, None
+        if not isinstance(obj, dict):
+            return MALFORMED, None
+        text = obj.get(self.opts.text_field, _MISSING)
+        if not isinstance(text, str):
+            return MALFORMED, None
+        try:
+            text.encode("utf-8")  # JSON escapes can encode lone surrogates, which are not text
+        except UnicodeEncodeError:
+            return UNDECODABLE, None
+        return (OK, text) if text.strip() else (EMPTY, None)
+
+
+class TextSource(_LineFileSource):
+    kind = "text"
+    extensions = (".txt", ".text", ".md")
+
+    def __init__(self, spec, index, opts):
+        super().__init__(spec, index, opts)
+        if opts.text_document == "file":
+            # One document per file: files are dealt to shards round-robin; coordinates 0..1.
+            self.partition, self.coords_are_bytes = "modulo", False
+            self.sizes = [1] * len(self.units)
+
+    def shard_is_empty(self, shard, num_shards):
+        if self.partition == "modulo":
+            return Source.shard_is_empty(self, shard, num_shards)
+        return super().shard_is_empty(shard, num_shards)
+
+    def iter_docs(self, unit, lo, hi, start, *, shard, num_shards, epoch):
+        if self.partition == "modulo":
+            if start < hi:
+                yield 0, 1, None
+            return
+        yield from super().iter_docs(unit, lo, hi, start, shard=shard, num_shards=num_shards, epoch=epoch)
+
+    def load(self, unit, coord, next_coord, payload):
+        if self.partition == "modulo":
+            with open(self.units[unit], "rb") as f:
+                return f.read()
+        return super().load(unit, coord, next_coord, payload)
+
+    def decode(self, payload):
+        if self.partition != "modulo":
+            payload = payload.rstrip(b"\r\n")
+        return _text_status(payload)
+
+
+class _ColumnSource(Source):
+    """Row-based files (parquet, arrow): row r of a file is a document; shards own row ranges."""
+
+    def decode(self, payload):
+        if payload is None:
+            return MALFORMED, None
+        return _text_status(payload)
+
+
+class ParquetSource(_ColumnSource):
+    kind = "parquet"
+
+    def __init__(self, spec, index, opts):
+        super().__init__(spec, index, opts)
+        pq = _import_pyarrow_parquet(spec)
+        self.units = expand_files(spec, (".parquet",))
+        for path in self.units:
+            meta = pq.ParquetFile(path)
+            if opts.text_field not in meta.schema_arrow.names:
+                raise _config_error(
+                    f"data.text_field: column {opts.text_field!r} not in {path} (columns: {meta.schema_arrow.names})"
+                )
+            self.sizes.append(meta.metadata.num_rows)
+
+    def iter_docs(self, unit, lo, hi, start, *, shard, num_shards, epoch):
+        pq = _import_pyarrow_parquet(self.spec)
+        pf = pq.ParquetFile(self.units[unit])
+        first_row = 0
+        for rg in range(pf.metadata.num_row_groups):
+            n = pf.metadata.row_group(rg).num_rows
+            if first_row + n > start and first_row < hi:
+                column = pf.read_row_group(rg, columns=[self.opts.text_field]).column(0)
+                begin, end = max(start, first_row), min(hi, first_row + n)
+                for i, value in enumerate(column.slice(begin - first_row, end - begin).to_pylist()):
+                    yield begin + i, begin + i + 1, value
+            first_row += n
+            if first_row >= hi:
+                return
+
+
+class ArrowSource(_ColumnSource):
+    """Arrow IPC files (file or stream format, e.g. the .arrow files of datasets.save_to_disk),
+    memory-mapped: only the rows being read are paged in."""
+
+    kind = "arrow"
+
+    def __init__(self, spec, index, opts):
+        super().__init__(spec, index, opts)
+        _import_pyarrow(spec)
+        self.units = expand_files(spec, (".arrow",))
+        self._tables: dict[int, Any] = {}
+        for u, path in enumerate(self.units):
+            table = self._table(u)
+            if opts.text_field not in table.column_names:
+                raise _config_error(
+                    f"data.text_field: column {opts.text_field!r} not in {path} (columns: {table.column_names})"
+                )
+            self.sizes.append(table.num_rows)
+        self._tables = {}
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_tables"] = {}
+        return state
+
+    def _table(self, unit):
+        table = self._tables.get(unit)
+        if table is None:
+            pa = _import_pyarrow(self.spec)
+            source = pa.memory_map(self.units[unit], "r")
+            try:
+                table = pa.ipc.open_file(source).read_all()
+            except pa.ArrowInvalid:
+                source.seek(0)
+                table = pa.ipc.open_stream(source).read_all()
+            if len(self._tables) >= 16:
+                self._tables.pop(next(iter(self._tables)))
+            self._tables[unit] = table
+        return table
+
+    def iter_docs(self, unit, lo, hi, start, *, shard, num_shards, epoch):
+        column = self._table(unit).column(self.opts.text_field)
+        for begin in range(start, hi, 1024):
+            values = column.slice(begin, min(hi, begin + 1024) - begin).to_pylist()
+            for i, value in enumerate(values):
+                yield begin + i, begin + i + 1, value
+
+
+class TokenSource(Source):
+    """A folder written by ``trainer data prepare``: per input unit a flat token file (uint16/uint32
+    memmap) plus document boundaries, original coordinates and statuses."""
+
+    kind = "tokens"
+
+    def __init__(self, spec, index, opts):
+        super().__init__(spec, index, opts)
+        folder = os.path.expanduser(spec.path)
+        meta_path = os.path.join(folder, TOKENS_META)
+        if not os.path.isfile(meta_path):
+            if not os.path.exists(folder):
+                raise _config_error(f"{spec.key}: no such folder {spec.path!r}")
+            raise _config_error(f"{spec.key}: {spec.path!r} is not a prepared token folder (no {TOKENS_META})")
+        with open(meta_path, encoding="utf-8") as f:
+            self.meta = json.load(f)
+        if self.meta.get("format") != TOKENS_FORMAT:
+            raise _config_error(f"{spec.key}: {meta_path} has format {self.meta.get('format')!r}, want {TOKENS_FORMAT!r}")
+        want = opts.tokenizer_fingerprint
+        have = self.meta.get("tokenizer", {})
+        if want and have != want:
+            raise _config_error(
+                f"{spec.key}: {spec.path!r} was prepared with another tokenizer ({have}) than the configured "
+                f"one ({want}); run trainer data prepare again"
+            )
+        self.folder = folder
+        self.units = [u["name"] for u in self.meta["units"]]
+        self.sizes = [int(u["size"]) for u in self.meta["units"]]
+        self.partition = self.meta.get("partition", "range")
+        self.coords_are_bytes = bool(self.meta.get("coords_are_bytes", False))
+        self.dtype = np.dtype(self.meta["dtype"])
+        self._arrays: dict[int, tuple] = {}
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_arrays"] = {}
+        return state
+
+    def _unit(self, unit):
+        arrays = self._arrays.get(unit)
+        if arrays is None:
+            base = os.path.join(self.folder, self.units[unit])
+            tokens_path = base + ".tokens"
+            tokens = (np.memmap(tokens_path, dtype=self.dtype, mode="r") if os.path.getsize(tokens_path)
+                      else np.zeros(0, dtype=self.dtype))
+            index = np.load(base + ".index.npy", mmap_mode="r")
+            coords = np.load(base + ".coords.npy", mmap_mode="r")
+            status = np.load(base + ".status.npy", mmap_mode="r")
+            arrays = self._arrays[unit] = (tokens, index, coords, status)
+        return arrays
+
+    def shard_is_empty(self, shard, num_shards):
+        for unit in range(len(self.units)):
+            lo, hi = self.part(unit, shard, num_shards)
+            starts = self._unit(unit)[2][0]
+            if np.searchsorted(starts, lo, side="left") < np.searchsorted(starts, hi, side="left"):
+                return False
+        return True
+
+    def iter_docs(self, unit, lo, hi, start, *, shard, num_shards, epoch):
+        _, _, coords, _ = self._unit(unit)
+        starts = coords[0]
+        d = int(np.searchsorted(starts, start, side="left"))
+        end = int(np.searchsorted(starts, hi, side="left"))
+        for i in range(d, end):
+            yield int(starts[i]), int(coords[1][i]), i  # payload: the document's row in this unit
+
+    def load(self, unit, coord, next_coord, payload):
+        tokens, index, _, status = self._unit(unit)
+        return int(status[payload]), np.asarray(tokens[index[payload]:index[payload + 1]], dtype=np.int64)
+
+    def decode(self, payload):
+        status, tokens = payload
+        return status & 3, (tokens, status)  # the high bits record separators removed at prepare time
+
+    def fingerprint(self):
+        return {"kind": self.kind, "label": self.label, "units": len(self.units), "size": int(sum(self.sizes)),
+                "tokens": int(self.meta.get("num_tokens", 0))}
+
+
+class HFSource(_ColumnSource):
+    """A Hugging Face dataset (hub name or local folder) read in streaming mode. Shard j of N reads
+    ``split_dataset_by_node(ds, rank=j, world_size=N)`` (whole dataset files per shard when their number
+    is a multiple of N, else every N-th example); coordinates count examples in that stream, so resuming
+    skips that many examples (read, not tokenized) before continuing."""
+
+    kind = "hf"
+
+    def __init__(self, spec, index, opts):
+        super().__init__(spec, index, opts)
+        _import_datasets(spec)
+        path = os.path.expanduser(spec.path)
+        if spec.path.startswith((".", "/", "~")) and not os.path.exists(path):
+            raise _config_error(f"{spec.key}: no such dataset folder {spec.path!r}")
+        self.units = [spec.path]
+        self.sizes = [1 << 40]  # unknown length: the stream ends when the dataset does
+
+    def _dataset(self, shard: int, num_shards: int, epoch: int):
+        datasets = _import_datasets(self.spec)
+        from datasets.distributed import split_dataset_by_node
+
+        path = os.path.expanduser(self.spec.path)
+        if os.path.isdir(path) and (os.path.isfile(os.path.join(path, "state.json"))
+                                    or os.path.isfile(os.path.join(path, "dataset_dict.json"))):
+            ds = datasets.load_from_disk(path)  # a save_to_disk folder: Arrow files, memory-mapped
+            if isinstance(ds, datasets.DatasetDict):
+                ds = ds[self.spec.split or "train"]
+            ds = ds.to_iterable_dataset()
+        else:
+            ds = datasets.load_dataset(path if os.path.exists(path) else self.spec.path, name=self.spec.hf_config,
+                                       split=self.spec.split or "train", streaming=True)
+        # No HF-level shuffle: the reader's block shuffle applies, and an example's coordinate (its number
+        # in this shard's stream) stays the same every epoch, which keeps document ids stable.
+        return split_dataset_by_node(ds, rank=shard, world_size=num_shards)
+
+    def iter_docs(self, unit, lo, hi, start, *, shard, num_shards, epoch):
+        ds = self._dataset(shard, num_shards, epoch)
+        if start > 0:
+            ds = ds.skip(start)
+        field_name = self.opts.text_field
+        for i, example in enumerate(ds, start=start):
+            yield i, i + 1, example.get(field_name) if isinstance(example, dict) else None
+
+    def part(self, unit, shard, num_shards):
+        return 0, self.sizes[unit]  # every shard reads its own stream (split_dataset_by_node) from its start
+
+    def shard_is_empty(self, shard, num_shards):
+        return None
+
+    def uid(self, unit, coord, shard):
+        return (self.index << 56) | (shard << 40) | (coord & ((1 << 40) - 1))
+
+
+def _import_pyarrow(spec: SourceSpec):
+    try:
+        import pyarrow
+        import pyarrow.ipc  # noqa: F401
+    except ImportError:
+        raise _config_error(f"{spec.key}: reading {spec.kind} files needs pyarrow: pip install pyarrow") from None
+    return pyarrow
+
+
+def _import_pyarrow_parquet(spec: SourceSpec):
+    _import_pyarrow(spec)
+    import pyarrow.parquet as pq
+
+    return pq
+
+
+def _import_datasets(spec: SourceSpec):
+    try:
+        import datasets
+    except ImportError:
+        raise _config_error(
+            f"{spec.key}: the hf source kind needs the Hugging Face 'datasets' package: pip install datasets"
+        ) from None
+    return datasets

@@ -1,0 +1,87 @@
+"""Helpers for the data tests (tests/test_data*.py): a fast byte tokenizer, synthetic corpora, configs."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterable, Sequence
+
+
+class ByteTokenizer:
+    """Token = UTF-8 byte (ids 0-255); BOS 256, EOS 257, pad 258. With add_bos / add_eos it adds them on
+    every encode, like tokenizers whose post-processor inserts specials (the loader must remove them)."""
+
+    vocab_size = 259
+    bos_id, eos_id, pad_id = 256, 257, 258
+
+    def __init__(self, add_bos: bool = False, add_eos: bool = False):
+        self.add_bos, self.add_eos = add_bos, add_eos
+
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        if bos or self.add_bos:
+            ids = [self.bos_id] + ids
+        if eos or self.add_eos:
+            ids = ids + [self.eos_id]
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def synthetic_texts(n: int, *, seed: int = 0, min_len: int = 5, max_len: int = 120, prefix: str = "") -> list[str]:
+    """n distinct random texts (lowercase words) of min_len..max_len characters."""
+    rng = random.Random(seed)
+    texts = []
+    for i in range(n):
+        length = rng.randint(min_len, max_len)
+        words = [prefix + f"d{i}"]
+        while sum(len(w) + 1 for w in words) < length:
+            words.append("".join(rng.choice("abcdefghij") for _ in range(rng.randint(1, 7))))
+        texts.append(" ".join(words)[:length])
+    return texts
+
+
+def write_jsonl(path: str | Path, texts: Iterable[str]) -> Path:
+    path = Path(path)
+    with open(path, "w", encoding="utf-8") as f:
+        for i, t in enumerate(texts):
+            f.write(json.dumps({"id": i, "text": t}) + "\n")
+    return path
+
+
+def make_config(**overrides):
+    """A JobConfig from {"training.seq_len": 32, ...} (dots as in the command line), no environment."""
+    from trainer.config import load_config
+
+    argv: list[str] = []
+    for key, value in overrides.items():
+        if isinstance(value, bool):
+            value = "true" if value else "false"
+        elif isinstance(value, (list, tuple)):
+            value = json.dumps(list(value))
+        argv += [f"--{key}", str(value)]
+    return load_config(argv, env={})
+
+
+def token_map(batches: Iterable[dict]) -> dict[int, dict[int, int]]:
+    """{document id: {position: token}} from batches made with data.debug_doc_ids."""
+    docs: dict[int, dict[int, int]] = defaultdict(dict)
+    for b in batches:
+        tokens = b["input"].new_empty((b["input"].shape[0], b["input"].shape[1] + 1))
+        tokens[:, :-1], tokens[:, -1] = b["input"], b["labels"][:, -1]
+        for row_t, row_d, row_p in zip(tokens.tolist(), b["doc_ids"].tolist(), b["doc_positions"].tolist()):
+            for t, d, p in zip(row_t, row_d, row_p):
+                docs[d][p] = t
+    return docs
+
+
+def token_pairs(batches: Iterable[dict]) -> list[tuple[int, int]]:
+    """(document id, position) of every token of every window, in order (with repetitions)."""
+    out = []
+    for b in batches:
+        for row_d, row_p in zip(b["doc_ids"].tolist(), b["doc_positions"].tolist()):
+            out.extend(zip(row_d, row_p))
+    return out
