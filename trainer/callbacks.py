@@ -21,15 +21,22 @@ class Callback:
         """After the model is parallelized and initialised (e.g. to register module hooks)."""
 
     def on_batches(self, trainer: "Trainer", step: int, batches: list[dict]) -> list[dict]:
-        """The step's micro-batches, drawn from the loader; may replace them (fault injection)."""
+        """The step's micro-batches, drawn from the loader; may replace them (fault injection). Called first
+        in every step, before the LR is set and before any compute, so also where per-step state starts."""
         return batches
 
     def extra_loss(self, trainer: "Trainer", logits: torch.Tensor, loss: torch.Tensor, tokens: int) -> torch.Tensor:
         """Add terms to a micro-batch's loss (already divided by the step's tokens)."""
         return loss
 
+    def skip_before_forward(self, trainer: "Trainer", step: int) -> str | None:
+        """Return a reason to skip this step before any compute, or None. The step's data has been drawn;
+        no forward, backward or optimizer update runs, and its loss and grad norm are logged as NaN."""
+        return None
+
     def should_skip(self, trainer: "Trainer", step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> str | None:
-        """Return a reason to skip this step's optimizer update, or None."""
+        """After backward: return a reason to skip this step's optimizer update, or None. ``loss`` is this
+        rank's mean token loss, ``grad_norm`` the global gradient norm (both on the device)."""
         return None
 
     def metrics(self, trainer: "Trainer", step: int) -> dict[str, Any]:
@@ -60,6 +67,10 @@ class CallbackList:
         for cb in self.callbacks:
             loss = cb.extra_loss(trainer, logits, loss, tokens)
         return loss
+
+    def skip_before_forward(self, trainer, step) -> str | None:
+        reasons = [r for cb in self.callbacks if (r := cb.skip_before_forward(trainer, step))]
+        return ", ".join(reasons) if reasons else None
 
     def should_skip(self, trainer, step, loss, grad_norm) -> tuple[bool, str | None]:
         reasons = [r for cb in self.callbacks if (r := cb.should_skip(trainer, step, loss, grad_norm))]

@@ -1,12 +1,50 @@
-"""The [stability] config section."""
+"""The [stability] config section.
+
+Every field has a string under it: that string is the user documentation (``--help`` and docs/config.md
+are generated from it). See docs/stability.md for how the tools fit together.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 @dataclass
 class Stability:
     skip_steps: list[list[int]] = field(default_factory=list)
     """Inclusive step ranges whose optimizer update is skipped (their data is still drawn), e.g.
-    [[10, 20], [25, 30]]; on the command line 10-20,25-30."""
+    [[10, 20], [25, 30]]; on the command line 10-20,25-30. Skipped steps run no forward or backward, the LR
+    schedule moves on as if they had run, and later steps see the same data as without the skip. Ranges
+    may be added or changed when resuming."""
+    nonfinite_guard: bool = True
+    """Skip the optimizer update of a step whose loss or gradient norm is NaN or infinite (weights and
+    optimizer state stay untouched). Costs one device-to-host read of one small tensor per step."""
+    max_consecutive_bad_steps: int = 10
+    """Stop the run (non-zero exit, naming the last checkpoint before the bad streak) after this many
+    consecutive steps skipped by the non-finite or spike guard; 0 never stops."""
+    spike_guard: bool = False
+    """Skip the optimizer update of a step whose loss or gradient norm exceeds the mean + spike_sigma x std
+    of the previous spike_window steps (OLMo-core's skip-step rule; skipped steps' values enter the window
+    too, non-finite ones never). Costs one small all-reduce and one device-to-host read per step."""
+    spike_sigma: float = 6.0
+    """Standard deviations above the rolling mean that count as a spike."""
+    spike_window: int = 128
+    """Steps in the rolling window of losses and gradient norms."""
+    spike_min_history: int = 64
+    """The spike guard only acts once the window holds at least this many steps (at least 2)."""
+    spike_metric: Literal["both", "loss", "grad_norm"] = "both"
+    """Which values the spike guard watches: both (either one spiking skips the step), loss, or grad_norm."""
+    embedding_grad_shrink: bool = False
+    """GLM-130B embedding-gradient shrink: the embedding output becomes alpha * e + (1 - alpha) * e.detach(),
+    so the forward pass is unchanged and the embedding gradient is scaled by alpha."""
+    embedding_grad_alpha: float = 0.1
+    """alpha after the ramp of embedding_grad_alpha_steps (throughout when there is no ramp); in [0, 1]."""
+    embedding_grad_alpha_start: float = 1.0
+    """alpha up to the first step of embedding_grad_alpha_steps (unused without a ramp); in [0, 1]."""
+    embedding_grad_alpha_steps: list[int] = field(default_factory=list)
+    """[first, last]: alpha moves linearly from embedding_grad_alpha_start at step first to
+    embedding_grad_alpha at step last. Empty: alpha is embedding_grad_alpha at every step."""
+    lr_rewarmup_steps_after_load: int = 0
+    """After resuming from a checkpoint, scale the learning rate up linearly from 0 over this many steps
+    (GLM-130B's remedy after a restart); 0 disables."""

@@ -1,0 +1,101 @@
+"""Parallel layouts reproduce the single-process loss: real torchrun processes over gloo on CPU.
+
+Every run uses the same global batch (8 sequences) and the same initial weights (initialisation is
+layout independent), so five deterministic steps must give the same losses up to float rounding.
+"""
+
+import pytest
+
+from tests.utils import losses, run_train
+
+STEPS = ["--training.steps", "5", "--debug.deterministic", "--training.global_batch_size", "8"]
+
+
+def relative_diffs(a: dict[int, float], b: dict[int, float]) -> list[float]:
+    assert a.keys() == b.keys() and len(a) == 5, (a, b)
+    return [abs(a[s] - b[s]) / abs(b[s]) for s in a]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("single")
+    run_train(dump, *STEPS, "--training.local_batch_size", "8")
+    return losses(dump)
+
+
+LAYOUTS = {
+    "fsdp2": (2, []),
+    "fsdp4": (4, []),
+    "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2"]),
+    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
+    "fsdp2_tp2": (4, ["--parallelism.tensor_parallel_degree", "2"]),
+    "fsdp2_ac_full": (2, ["--activation_checkpoint.mode", "full"]),
+    "fsdp2_ac_selective_op": (2, ["--activation_checkpoint.mode", "selective"]),
+    "fsdp2_ac_selective_every2": (2, ["--activation_checkpoint.mode", "selective",
+                                      "--activation_checkpoint.selective_ac_option", "2"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_process(name, single, tmp_path):
+    nproc, extra = LAYOUTS[name]
+    run_train(tmp_path, *STEPS, "--training.local_batch_size", "4", *extra, nproc=nproc)
+    diffs = relative_diffs(losses(tmp_path), single)
+    assert max(diffs) <= 1e-5, diffs
+
+
+@pytest.mark.slow
+def test_compile_matches_eager(single, tmp_path):
+    run_train(tmp_path, *STEPS, "--training.local_batch_size", "8", "--compile.enable")
+    diffs = relative_diffs(losses(tmp_path), single)
+    assert max(diffs) <= 1e-4, diffs
+
+
+@pytest.mark.slow
+def test_fsdp_bf16_params_close_to_fp32(single, tmp_path):
+    run_train(tmp_path, *STEPS, "--training.local_batch_size", "4", "--training.mixed_precision_param", "bfloat16",
+              nproc=2)
+    diffs = relative_diffs(losses(tmp_path), single)
+    assert max(diffs) <= 1e-2, diffs
+    assert max(diffs) > 0  # bf16 really ran: not bitwise equal to fp32
+
+
+@pytest.mark.slow
+def test_float8_trains_close_to_bf16(tmp_path):
+    """float8 matmuls (torchao, emulated scaling on CPU) track bf16 within 5% after 20 steps."""
+    common = ["--training.steps", "20", "--training.local_batch_size", "8", "--metrics.log_freq", "20",
+              "--training.mixed_precision_param", "bfloat16"]
+    run_train(tmp_path / "bf16", *common)
+    reference = losses(tmp_path / "bf16")[20]
+    for recipe in ("tensorwise", "rowwise"):
+        run_train(tmp_path / recipe, *common, "--model.converters", "quantize.linear.float8",
+                  "--quantize.linear.float8.recipe_name", recipe)
+        got = losses(tmp_path / recipe)[20]
+        assert abs(got - reference) / reference <= 0.05, (recipe, got, reference)
+
+
+def test_impossible_layouts_fail_before_work(tmp_path):
+    proc = run_train(tmp_path, "--parallelism.tensor_parallel_degree", "3", nproc=4, check=False)
+    assert proc.returncode != 0
+    assert "tensor_parallel_degree (3)" in proc.stderr + proc.stdout
+    proc = run_train(tmp_path, "--parallelism.tensor_parallel_degree", "32", nproc=1, check=False)
+    assert proc.returncode != 0
+    assert "world size" in proc.stderr + proc.stdout
+
+
+def test_tp_must_divide_heads():
+    from trainer.config import ConfigError
+    from trainer.parallel.dims import ParallelDims
+    from trainer.parallel.parallelize import validate_tp
+
+    with pytest.raises(ConfigError, match="key/value heads \\(4\\)"):
+        validate_tp(ParallelDims(dp_replicate=1, dp_shard=1, tp=8, pp=1, world_size=8), n_heads=16, n_kv_heads=4)
+    validate_tp(ParallelDims(dp_replicate=1, dp_shard=2, tp=4, pp=1, world_size=8), n_heads=16, n_kv_heads=4)
+
+
+def test_float8_all_gather_refused_on_cpu(tmp_path):
+    proc = run_train(tmp_path, "--model.converters", "quantize.linear.float8",
+                     "--quantize.linear.float8.enable_fsdp_float8_all_gather", nproc=2, check=False)
+    assert proc.returncode != 0
+    assert "gloo cannot all-gather float8" in proc.stderr + proc.stdout
