@@ -1,0 +1,733 @@
+"""Hugging Face Llama interop: ``trainer export`` (DCP -> HF folder) and import (HF folder -> our model).
+
+Key mapping (ours -> ``transformers.LlamaForCausalLM``)::
+
+    tok_embeddings.weight                 model.embed_tokens.weight
+    layers.{i}.attention.wq.weight        model.layers.{i}.self_attn.q_proj.weight   (RoPE-permuted)
+    layers.{i}.attention.wk.weight        model.layers.{i}.self_attn.k_proj.weight   (RoPE-permuted)
+    layers.{i}.attention.wv.weight        model.layers.{i}.self_attn.v_proj.weight
+    layers.{i}.attention.wo.weight        model.layers.{i}.self_attn.o_proj.weight
+    layers.{i}.feed_forward.w1.weight     model.layers.{i}.mlp.gate_proj.weight
+    layers.{i}.feed_forward.w2.weight     model.layers.{i}.mlp.down_proj.weight
+    layers.{i}.feed_forward.w3.weight     model.layers.{i}.mlp.up_proj.weight
+    layers.{i}.attention_norm.weight      model.layers.{i}.input_layernorm.weight
+    layers.{i}.ffn_norm.weight            model.layers.{i}.post_attention_layernorm.weight
+    norm.weight                           model.norm.weight
+    output.weight                         lm_head.weight   (absent with tie_word_embeddings)
+
+RoPE: our model rotates interleaved pairs ``(2i, 2i+1)`` of each head (Meta's convention); HF's Llama
+rotates the halves ``(i, i + head_dim/2)``. Reordering the output rows of ``wq``/``wk`` inside each head,
+``row 2i + j -> row j * head_dim/2 + i``, makes the two models compute the same attention scores (the
+scores are dot products of q and k, so any common reordering of their head dimensions leaves them
+unchanged). This is the permutation of HF's ``convert_llama_weights_to_hf.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from torchtitan_ext.native import (
+    CheckpointNotFound,
+    LoadedModel,
+    clean_fqn,
+    describe_checkpoint,
+    parse_dtype,
+)
+
+logger = logging.getLogger("trainer")
+
+__all__ = [
+    "export_checkpoint",
+    "hf_config_to_args",
+    "hf_to_native_key",
+    "hf_to_native_state_dict",
+    "llama_hf_config",
+    "load_hf_into",
+    "load_hf_model",
+    "load_hf_state_dict",
+    "main",
+    "native_to_hf_key",
+    "native_to_hf_state_dict",
+    "permute_for_hf",
+    "plan_shards",
+    "tiktoken_to_tokenizer_json",
+    "unpermute_from_hf",
+    "write_hf_folder",
+    "write_tokenizer_files",
+]
+
+_LAYER_MAP = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP_MAP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_MAP_INV = {v: k for k, v in _LAYER_MAP.items()}
+_TOP_MAP_INV = {v: k for k, v in _TOP_MAP.items()}
+_NATIVE_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+# --------------------------------------------------------------------------------------------------
+# Tensor and key conversion
+# --------------------------------------------------------------------------------------------------
+
+
+def permute_for_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of ``wq``/``wk`` from interleaved-pair RoPE order to HF's rotate-half order, per head."""
+    out_dim, in_dim = w.shape
+    head_dim = out_dim // n_heads
+    return w.reshape(n_heads, head_dim // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+
+
+def unpermute_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of :func:`permute_for_hf`."""
+    out_dim, in_dim = w.shape
+    head_dim = out_dim // n_heads
+    return w.reshape(n_heads, 2, head_dim // 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+
+
+def native_to_hf_key(name: str) -> str:
+    if name in _TOP_MAP:
+        return _TOP_MAP[name]
+    m = _NATIVE_LAYER.match(name)
+    if m and m.group(2) in _LAYER_MAP:
+        return f"model.layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
+    raise KeyError(f"no Hugging Face name for parameter {name!r}")
+
+
+def hf_to_native_key(name: str) -> str:
+    if name in _TOP_MAP_INV:
+        return _TOP_MAP_INV[name]
+    m = _HF_LAYER.match(name)
+    if m and m.group(2) in _LAYER_MAP_INV:
+        return f"layers.{m.group(1)}.{_LAYER_MAP_INV[m.group(2)]}"
+    raise KeyError(f"no native name for Hugging Face weight {name!r}")
+
+
+def _hf_order(name: str) -> tuple:
+    """Sort key: embeddings, layers in order, final norm, lm_head (the order HF writes shards in)."""
+    m = _HF_LAYER.match(name)
+    if m:
+        return (1, int(m.group(1)), name)
+    return (0 if "embed_tokens" in name else 2 if name == "model.norm.weight" else 3, 0, name)
+
+
+def native_to_hf_state_dict(sd: dict[str, torch.Tensor], n_heads: int, n_kv_heads: int,
+                            tie_word_embeddings: bool = False) -> dict[str, torch.Tensor]:
+    """Our FQNs -> HF Llama names, with the RoPE permutation of ``wq``/``wk``."""
+    out = {}
+    for name, tensor in sd.items():
+        if tie_word_embeddings and name == "output.weight":
+            continue
+        hf_name = native_to_hf_key(name)
+        if name.endswith("attention.wq.weight"):
+            tensor = permute_for_hf(tensor, n_heads)
+        elif name.endswith("attention.wk.weight"):
+            tensor = permute_for_hf(tensor, n_kv_heads)
+        out[hf_name] = tensor
+    return dict(sorted(out.items(), key=lambda kv: _hf_order(kv[0])))
+
+
+def hf_to_native_state_dict(sd: dict[str, torch.Tensor], n_heads: int, n_kv_heads: int) -> dict[str, torch.Tensor]:
+    """HF Llama names -> our FQNs, undoing the RoPE permutation. ``rotary_emb.inv_freq`` is dropped."""
+    out = {}
+    for name, tensor in sd.items():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        native = hf_to_native_key(name)
+        if native.endswith("attention.wq.weight"):
+            tensor = unpermute_from_hf(tensor, n_heads)
+        elif native.endswith("attention.wk.weight"):
+            tensor = unpermute_from_hf(tensor, n_kv_heads)
+        out[native] = tensor
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# config.json <-> LlamaModelArgs
+# --------------------------------------------------------------------------------------------------
+
+
+def llama_hf_config(args, *, max_position_embeddings: int, dtype: torch.dtype, tokenizer=None) -> dict[str, Any]:
+    """A ``config.json`` for ``LlamaForCausalLM`` equivalent to our ``LlamaModelArgs``."""
+    rope_scaling = None
+    if args.rope_scaling is not None:
+        s = args.rope_scaling
+        rope_scaling = {
+            "rope_type": "llama3",
+            "factor": float(s.factor),
+            "low_freq_factor": float(s.low_freq_factor),
+            "high_freq_factor": float(s.high_freq_factor),
+            "original_max_position_embeddings": int(s.original_max_position_embeddings),
+        }
+    dtype_name = str(dtype).replace("torch.", "")
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.num_kv_heads,
+        "head_dim": args.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(max_position_embeddings),
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": float(args.rope_theta),
+        "rope_scaling": rope_scaling,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": bool(args.tie_word_embeddings),
+        "vocab_size": args.vocab_size,
+        "use_cache": True,
+        "torch_dtype": dtype_name,
+    }
+    if tokenizer is not None:
+        config["bos_token_id"] = tokenizer.bos_id
+        config["eos_token_id"] = tokenizer.eos_id
+        if tokenizer.pad_id is not None:
+            config["pad_token_id"] = tokenizer.pad_id
+    return config
+
+
+def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, dict | None]:
+    """(rope_theta, scaling dict) from either the legacy keys or transformers 5's ``rope_parameters``."""
+    params = cfg.get("rope_parameters") or {}
+    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+    scaling = cfg.get("rope_scaling") or (params if params.get("rope_type") not in (None, "default") else None)
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind in (None, "default"):
+            scaling = None
+        elif kind != "llama3":
+            raise ValueError(f"unsupported rope scaling type {kind!r} (only 'llama3' is implemented)")
+    return float(theta), scaling
+
+
+def hf_config_to_args(cfg: dict[str, Any]):
+    """``LlamaModelArgs`` for an HF Llama ``config.json`` (a named flavor's args when one matches)."""
+    from trainer.models.llama import LLAMA_FLAVORS, LlamaModelArgs, RopeScaling
+
+    if cfg.get("model_type", "llama") != "llama":
+        raise ValueError(f"expected a Llama config (model_type 'llama'), got {cfg.get('model_type')!r}")
+    for flag in ("attention_bias", "mlp_bias"):
+        if cfg.get(flag):
+            raise ValueError(f"{flag}=true is not supported by this model")
+    dim, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    if cfg.get("head_dim") not in (None, dim // n_heads):
+        raise ValueError(f"head_dim {cfg['head_dim']} != hidden_size / num_attention_heads is not supported")
+    theta, scaling = _rope_from_hf(cfg)
+    rope_scaling = None
+    if scaling:
+        rope_scaling = RopeScaling(
+            factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
+    common = dict(
+        dim=dim, n_layers=cfg["num_hidden_layers"], n_heads=n_heads,
+        n_kv_heads=cfg.get("num_key_value_heads") or n_heads, vocab_size=cfg["vocab_size"],
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-5)), rope_theta=theta, rope_scaling=rope_scaling,
+        max_seq_len=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+    intermediate = cfg["intermediate_size"]
+    for flavor in LLAMA_FLAVORS.values():  # reuse a flavor's FFN sizing rule when it gives the same size
+        candidate = dataclasses.replace(flavor, **common)
+        if candidate.ffn_hidden_dim == intermediate:
+            return candidate
+    # Any intermediate size: the multiplier brings the hidden size to <= intermediate, multiple_of rounds up.
+    base_hidden = int(2 * (4 * dim) / 3)
+    return LlamaModelArgs(**common, multiple_of=intermediate, ffn_dim_multiplier=intermediate / base_hidden)
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading an HF folder
+# --------------------------------------------------------------------------------------------------
+
+
+def _weight_files(folder: Path) -> dict[str, Path]:
+    """``{hf weight name: safetensors file}`` from the index, or from the single/unindexed files."""
+    index = folder / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: folder / fname for name, fname in weight_map.items()}
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no safetensors weights in {folder} (expected {SAFETENSORS_INDEX} or model.safetensors); "
+            "PyTorch .bin checkpoints are not supported")
+    from safetensors import safe_open
+
+    out = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                out[name] = f
+    return out
+
+
+def _read_hf_config(folder: Path) -> dict[str, Any]:
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{folder} is not a Hugging Face model folder: no config.json")
+    return json.loads(cfg_path.read_text())
+
+
+class _HFReader:
+    """Reads tensors by HF name from a folder's safetensors files, one file handle per file."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        self.files = _weight_files(folder)
+        self._handles = {f: safe_open(str(f), framework="pt") for f in set(self.files.values())}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handles[self.files[name]].get_tensor(name)
+
+
+def load_hf_state_dict(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(native state dict, config.json) of an HF Llama folder."""
+    folder = Path(path)
+    cfg = _read_hf_config(folder)
+    reader = _HFReader(folder)
+    n_heads = cfg["num_attention_heads"]
+    n_kv = cfg.get("num_key_value_heads") or n_heads
+    sd = hf_to_native_state_dict({name: reader.get(name) for name in reader.files}, n_heads, n_kv)
+    return sd, cfg
+
+
+def load_hf_model(path: str | Path, dtype="fp32", device="cpu") -> LoadedModel:
+    """An HF Llama folder as our (unsharded, eval-mode) model plus its tokenizer."""
+    from tokenizer import build_tokenizer
+    from torchtitan_ext.native import build_model
+
+    folder = Path(path)
+    sd, cfg = load_hf_state_dict(folder)
+    args = hf_config_to_args(cfg)
+    model = build_model(args, sd, device=device, dtype=parse_dtype(dtype), source=str(folder))
+    tokenizer = build_tokenizer(folder)
+    return LoadedModel(model=model, tokenizer=tokenizer, args=args, config=None, checkpoint=folder,
+                       context_length=args.max_seq_len)
+
+
+@torch.no_grad()
+def load_hf_into(model: torch.nn.Module | Iterable[torch.nn.Module], path: str | Path) -> list[str]:
+    """Copy an HF Llama safetensors folder's weights into ``model`` in place.
+
+    ``model`` is our ``Transformer`` (or a list of pipeline-stage model parts), possibly sharded by
+    FSDP2/TP (DTensor parameters) and wrapped by activation checkpointing or torch.compile. Each rank
+    reads only the tensors its parameters need and keeps its own slice, so no communication happens.
+    Every parameter the model holds must be present (``lm_head`` may be missing when the embeddings
+    are tied); shapes must match exactly. Returns the native names loaded.
+    """
+    from torch.distributed.tensor import DTensor
+
+    from trainer.parallel.init import _local_slice
+
+    folder = Path(path)
+    cfg = _read_hf_config(folder)
+    reader = _HFReader(folder)
+    n_heads = cfg["num_attention_heads"]
+    n_kv = cfg.get("num_key_value_heads") or n_heads
+    tied_hf = bool(cfg.get("tie_word_embeddings", False))
+    parts = list(model) if isinstance(model, (list, tuple)) else [model]
+
+    for part in parts:
+        args = getattr(part, "args", None)
+        if args is not None:
+            mismatches = [
+                f"{key} {cfg.get(key)} != {ours}" for key, ours in (
+                    ("hidden_size", args.dim), ("num_hidden_layers", args.n_layers),
+                    ("num_attention_heads", args.n_heads), ("num_key_value_heads", args.num_kv_heads),
+                    ("intermediate_size", args.ffn_hidden_dim))
+                if cfg.get(key, n_heads if key == "num_key_value_heads" else None) != ours]
+            if mismatches:
+                raise ValueError(f"{folder}/config.json does not match the model being trained: "
+                                 + "; ".join(mismatches) + " (choose the matching model.flavor)")
+
+    loaded = []
+    seen: set[int] = set()
+    for part in parts:
+        for raw_name, param in part.named_parameters(remove_duplicate=False):
+            name = clean_fqn(raw_name)
+            if id(param) in seen:  # the second name of a tied weight
+                continue
+            seen.add(id(param))
+            hf_name = native_to_hf_key(name)
+            if hf_name == "lm_head.weight" and (hf_name not in reader or tied_hf):
+                if "model.embed_tokens.weight" not in reader:
+                    raise KeyError(f"{folder} has neither lm_head.weight nor model.embed_tokens.weight")
+                hf_name = "model.embed_tokens.weight"  # tied embeddings in the HF folder
+            if hf_name not in reader:
+                raise KeyError(f"{folder} has no weight {hf_name!r} (needed for {name})")
+            full = reader.get(hf_name)
+            if name.endswith("attention.wq.weight"):
+                full = unpermute_from_hf(full, n_heads)
+            elif name.endswith("attention.wk.weight"):
+                full = unpermute_from_hf(full, n_kv)
+            if tuple(full.shape) != tuple(param.shape):
+                embedding = "tok_emb" in name or "output" in name
+                hint = " (set model.vocab_size to the checkpoint's vocab_size)" if embedding else ""
+                raise ValueError(f"{hf_name} in {folder} has shape {tuple(full.shape)}, the model's {name} "
+                                 f"is {tuple(param.shape)}{hint}")
+            local = param.to_local() if isinstance(param, DTensor) else param.data
+            local.copy_(_local_slice(full, param).to(device=local.device, dtype=local.dtype))
+            loaded.append(name)
+    logger.info("loaded %d tensors from Hugging Face folder %s", len(loaded), folder)
+    return loaded
+
+
+# --------------------------------------------------------------------------------------------------
+# Export
+# --------------------------------------------------------------------------------------------------
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"cannot parse size {text!r}; use e.g. 5GB or 500MB")
+    value, unit = float(m.group(1)), m.group(2).upper().replace("I", "").rstrip("B")
+    return int(value * {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}[unit])
+
+
+def plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
+    """Group names (in order) into shards of at most ``max_shard_bytes`` (a larger tensor gets its own)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, nbytes in sizes:
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def _shard_name(i: int, n: int) -> str:
+    return f"model-{i:05d}-of-{n:05d}.safetensors"
+
+
+def _write_index(folder: Path, weight_map: dict[str, str], total_size: int) -> None:
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    (folder / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def save_safetensors_sharded(sd: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int) -> list[str]:
+    """``model-0000i-of-0000N.safetensors`` files plus ``model.safetensors.index.json``."""
+    from safetensors.torch import save_file
+
+    shards = plan_shards([(k, v.numel() * v.element_size()) for k, v in sd.items()], max_shard_bytes)
+    weight_map, names = {}, []
+    for i, keys in enumerate(shards, start=1):
+        fname = _shard_name(i, len(shards))
+        save_file({k: sd[k].contiguous() for k in keys}, str(folder / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in keys})
+        names.append(fname)
+    _write_index(folder, weight_map, sum(t.numel() * t.element_size() for t in sd.values()))
+    return names
+
+
+def _token_string(tokenizer, token_id: int | None) -> str | None:
+    if token_id is None:
+        return None
+    for attr in ("_tok", "_sp"):
+        impl = getattr(tokenizer, attr, None)
+        if impl is not None:
+            fn = getattr(impl, "id_to_token", None) or getattr(impl, "id_to_piece", None)
+            return fn(token_id)
+    return None
+
+
+def write_tokenizer_files(tokenizer, tokenizer_path: Path, folder: Path, model_max_length: int) -> list[str]:
+    """Copy/convert the run's tokenizer into ``folder`` so that ``AutoTokenizer`` loads it."""
+    src = Path(tokenizer_path)
+    if src.is_dir():
+        src = next((src / n for n in ("tokenizer.json", "tokenizer.model") if (src / n).is_file()), src)
+    written = []
+    if src.suffix == ".json":
+        shutil.copyfile(src, folder / "tokenizer.json")
+        written.append("tokenizer.json")
+        for extra in ("tokenizer_config.json", "special_tokens_map.json"):
+            if (src.parent / extra).is_file():
+                shutil.copyfile(src.parent / extra, folder / extra)
+                written.append(extra)
+        if "tokenizer_config.json" not in written:
+            cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+                   "model_max_length": model_max_length}
+            for key, tid in (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id),
+                             ("pad_token", tokenizer.pad_id)):
+                tok = _token_string(tokenizer, tid)
+                if tok is not None:
+                    cfg[key] = tok
+            (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+            written.append("tokenizer_config.json")
+        return written
+    if type(tokenizer).__name__ == "SentencePieceTokenizer":
+        shutil.copyfile(src, folder / "tokenizer.model")
+        cfg = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
+               "clean_up_tokenization_spaces": False, "legacy": False, "model_max_length": model_max_length}
+        for key, tid in (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id),
+                         ("pad_token", tokenizer.pad_id)):
+            tok = _token_string(tokenizer, tid)
+            if tok is not None:
+                cfg[key] = tok
+        (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        return ["tokenizer.model", "tokenizer_config.json"]
+    # tiktoken (Llama 3): build the equivalent HF tokenizer.json (byte-level BPE, Llama 3 split pattern,
+    # special tokens after the ranks, BOS prepended by the post-processor, as in Meta's HF release).
+    shutil.copyfile(src, folder / "tokenizer.model")
+    tiktoken_to_tokenizer_json(src, folder / "tokenizer.json")
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
+           "eos_token": "<|end_of_text|>", "clean_up_tokenization_spaces": False,
+           "model_max_length": model_max_length}
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    written += ["tokenizer.model", "tokenizer.json", "tokenizer_config.json"]
+    return written
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table (what HF's ByteLevel pre-tokenizer uses)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1)) + \
+        list(range(ord("\u00ae"), ord("\u00ff") + 1))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, map(chr, chars)))
+
+
+def tiktoken_to_tokenizer_json(ranks_path: Path, out: Path) -> None:
+    """Write a Llama 3 tiktoken ranks file as an equivalent HF ``tokenizer.json``."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    from tokenizer import LLAMA3_PATTERN, LLAMA3_SPECIAL_TOKENS
+    from tokenizer._tiktoken import load_ranks
+
+    ranks = load_ranks(Path(ranks_path))
+    table = _bytes_to_unicode()
+    to_str = lambda b: "".join(table[x] for x in b)  # noqa: E731
+    vocab = {to_str(token): rank for token, rank in ranks.items()}
+    merges = []
+    for token, rank in ranks.items():  # every split of a token into two tokens is a merge at its rank
+        splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks]
+        merges += [(ranks[left], ranks[right], rank, left, right) for left, right in splits]
+    merges.sort(key=lambda m: (m[2], m[0], m[1]))
+    bpe = models.BPE(vocab, [(to_str(m[3]), to_str(m[4])) for m in merges], fuse_unk=False, ignore_merges=True)
+    tok = Tokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    n_base = len(ranks)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in LLAMA3_SPECIAL_TOKENS])
+    bos, bos_id = "<|begin_of_text|>", n_base + LLAMA3_SPECIAL_TOKENS.index("<|begin_of_text|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, bos_id)])
+    tok.save(str(out))
+
+
+def export_checkpoint(
+    checkpoint: str | Path,
+    output: str | Path,
+    *,
+    dtype: str | torch.dtype = "bf16",
+    step: int | None = None,
+    config_path: str | Path | None = None,
+    flavor: str | None = None,
+    tokenizer_path: str | None = None,
+    max_shard_size: str = "5GB",
+    max_position_embeddings: int | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write a DCP checkpoint as a Hugging Face Llama folder; returns the folder."""
+    info = describe_checkpoint(checkpoint, config_path=config_path, flavor=flavor,
+                               tokenizer_path=tokenizer_path, step=step)
+    out = Path(output)
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"output folder {out} is not empty; pass --overwrite to replace its contents")
+        for old in list(out.glob("model*.safetensors")) + [out / SAFETENSORS_INDEX]:
+            old.unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    _export_streaming(info, out, parse_dtype(dtype), parse_size(max_shard_size))
+    context = max_position_embeddings or info.context_length
+    _write_metadata_files(info.args, out, parse_dtype(dtype), context, info.tokenizer, info.tokenizer_path)
+    logger.info("exported %s (%s) as %s to %s", info.step_dir, info.config.model.flavor,
+                str(parse_dtype(dtype)).replace("torch.", ""), out)
+    return out
+
+
+def _export_streaming(info, out: Path, dtype: torch.dtype, max_shard_bytes: int) -> None:
+    """Read the checkpoint one output shard at a time (DCP loads any subset of keys), so the export
+    needs memory for one shard, not for the whole model."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    from torchtitan_ext.native import checkpoint_model_entries
+
+    args = info.args
+    entries = {clean_fqn(k[len("model."):]): (k, v) for k, v in checkpoint_model_entries(info.step_dir).items()}
+    wanted = _expected_native_keys(args)
+    missing = [k for k in wanted if k not in entries]
+    extra = [k for k in entries if k not in wanted and not (args.tie_word_embeddings and k == "output.weight")]
+    if missing or extra:
+        raise ValueError(f"checkpoint {info.step_dir} does not match {info.config.model.flavor}: missing "
+                         f"{missing[:5]}, unexpected {extra[:5]} (wrong --flavor?)")
+    expected_shapes = _expected_shapes(args)
+    for name in wanted:
+        shape = tuple(entries[name][1].size)
+        if shape != expected_shapes[name]:
+            raise ValueError(f"checkpoint {info.step_dir}: {name} has shape {shape}, flavor "
+                             f"{info.config.model.flavor!r} expects {expected_shapes[name]} (wrong --flavor?)")
+    ordered = sorted(wanted, key=lambda k: _hf_order(native_to_hf_key(k)))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    sizes = [(k, itemsize * int(torch.Size(entries[k][1].size).numel())) for k in ordered]
+    shards = plan_shards(sizes, max_shard_bytes)
+    weight_map: dict[str, str] = {}
+    for i, keys in enumerate(shards, start=1):
+        flat = {entries[k][0]: torch.empty(entries[k][1].size, dtype=entries[k][1].properties.dtype) for k in keys}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.load(flat, storage_reader=dcp.FileSystemReader(str(info.step_dir)))
+        part = native_to_hf_state_dict({k: flat[entries[k][0]].to(dtype) for k in keys}, args.n_heads,
+                                       args.num_kv_heads)
+        fname = _shard_name(i, len(shards))
+        save_file({k: v.contiguous() for k, v in part.items()}, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in part})
+        del flat, part
+    _write_index(out, weight_map, sum(n for _, n in sizes))
+
+
+def _expected_shapes(args) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        from trainer.models.llama import Transformer
+
+        model = Transformer(args)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def _write_metadata_files(args, out: Path, dtype: torch.dtype, context: int, tokenizer, tokenizer_path) -> list[str]:
+    """config.json, generation_config.json and the tokenizer files."""
+    config = llama_hf_config(args, max_position_embeddings=context, dtype=dtype, tokenizer=tokenizer)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if tokenizer is None:
+        return ["config.json"]
+    generation = {"_from_model_config": True, "bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    files = ["config.json", "generation_config.json"]
+    if tokenizer_path is not None:
+        files += write_tokenizer_files(tokenizer, Path(tokenizer_path), out, context)
+    return files
+
+
+def write_hf_folder(sd: dict[str, torch.Tensor], args, out: str | Path, *, dtype="bf16",
+                    max_position_embeddings: int, tokenizer=None, tokenizer_path: str | Path | None = None,
+                    max_shard_size: str = "5GB", source: str = "model") -> Path:
+    """Write a native state dict (our FQNs) as a Hugging Face Llama folder."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch_dtype = parse_dtype(dtype)
+    if args.tie_word_embeddings and "output.weight" in sd and "tok_embeddings.weight" in sd:
+        if not torch.equal(sd["output.weight"], sd["tok_embeddings.weight"]):
+            logger.warning("tie_word_embeddings is set but output.weight differs from tok_embeddings.weight; "
+                           "exporting tok_embeddings.weight")
+    hf_sd = native_to_hf_state_dict({k: v.to(torch_dtype) for k, v in sd.items()}, args.n_heads,
+                                    args.num_kv_heads, tie_word_embeddings=args.tie_word_embeddings)
+    expected = {native_to_hf_key(k) for k in _expected_native_keys(args)}
+    if set(hf_sd) != expected:
+        raise ValueError(f"{source} does not match the model config: missing {sorted(expected - set(hf_sd))[:5]}, "
+                         f"unexpected {sorted(set(hf_sd) - expected)[:5]}")
+    shapes = _expected_shapes(args)
+    for name, tensor in hf_sd.items():
+        native = hf_to_native_key(name)
+        if tuple(tensor.shape) != shapes[native]:
+            raise ValueError(f"{source}: {native} has shape {tuple(tensor.shape)}, the config expects {shapes[native]}")
+    shards = save_safetensors_sharded(hf_sd, out, parse_size(max_shard_size))
+    files = _write_metadata_files(args, out, torch_dtype, max_position_embeddings, tokenizer, tokenizer_path)
+    logger.info("exported %s as %s to %s: %d safetensors shard(s), %s", source,
+                str(torch_dtype).replace("torch.", ""), out, len(shards), ", ".join(files))
+    return out
+
+
+def _expected_native_keys(args) -> list[str]:
+    keys = ["tok_embeddings.weight", "norm.weight"]
+    if not args.tie_word_embeddings:
+        keys.append("output.weight")
+    for i in range(args.n_layers):
+        keys += [f"layers.{i}.{k}" for k in _LAYER_MAP]
+    return keys
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``trainer export --checkpoint DIR --output DIR [--dtype bf16]``."""
+    from trainer import logs
+
+    parser = argparse.ArgumentParser(
+        prog="trainer export",
+        description="Export a DCP checkpoint (any parallel layout) to a Hugging Face Llama folder: config.json, "
+                    "sharded safetensors with index, tokenizer files.")
+    parser.add_argument("--checkpoint", required=True, help="DCP step folder, a folder of step-N folders "
+                        "(latest complete one), or a run's dump folder")
+    parser.add_argument("--output", required=True, help="folder to write (created; must be empty unless --overwrite)")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32", "bfloat16", "float16", "float32"],
+                        help="weight dtype of the export (default bf16)")
+    parser.add_argument("--step", type=int, default=None, help="export this step instead of the latest")
+    parser.add_argument("--config", default=None, help="the run's config.toml (default: found above the checkpoint)")
+    parser.add_argument("--flavor", default=None, help="override the model flavor of the run's config")
+    parser.add_argument("--tokenizer", default=None, help="override the tokenizer path of the run's config")
+    parser.add_argument("--max_shard_size", default="5GB", help="largest safetensors file (default 5GB)")
+    parser.add_argument("--max_position_embeddings", type=int, default=None,
+                        help="context length written to config.json (default: the flavor's)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the weights in a non-empty --output")
+    args = parser.parse_args(argv)
+    logs.setup()
+    try:
+        out = export_checkpoint(args.checkpoint, args.output, dtype=args.dtype, step=args.step,
+                                config_path=args.config, flavor=args.flavor, tokenizer_path=args.tokenizer,
+                                max_shard_size=args.max_shard_size,
+                                max_position_embeddings=args.max_position_embeddings, overwrite=args.overwrite)
+    except (CheckpointNotFound, FileExistsError, ValueError, KeyError) as e:
+        print(f"trainer export: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
