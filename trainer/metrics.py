@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import logging
 import os
 import sys
@@ -67,13 +68,15 @@ def memory_gib(device: torch.device) -> float:
 class MetricsWriter:
     """Appends one JSON object per logged step to metrics.jsonl and mirrors scalars to TensorBoard.
 
-    Only the rank chosen to write (rank 0) creates files; the others write nothing.
+    Only the rank chosen to write (rank 0) creates files; the others write nothing. Further sinks (objects
+    with ``write(record)`` and ``close()``, e.g. Weights & Biases) can be added with :meth:`add_sink`.
     """
 
     def __init__(self, dump_folder: Path, enabled: bool, tensorboard_dir: Path | None):
         self.enabled = enabled
         self.jsonl = None
         self.tb = None
+        self.sinks: list[Any] = []
         if not enabled:
             return
         dump_folder.mkdir(parents=True, exist_ok=True)
@@ -87,7 +90,9 @@ class MetricsWriter:
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self.jsonl.write(json.dumps(record) + "\n")
+        # Non-finite values (a skipped step's loss) become null: NaN is not valid JSON.
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        self.jsonl.write(json.dumps(clean) + "\n")
         if self.tb is not None:
             step = record["step"]
             for key, value in record.items():
@@ -95,8 +100,17 @@ class MetricsWriter:
                     self.tb.add_scalar(key, value, step)
                 elif isinstance(value, bool):
                     self.tb.add_scalar(key, float(value), step)
+        for sink in self.sinks:
+            sink.write(record)
+
+    def add_sink(self, sink: Any) -> None:
+        if self.enabled:
+            self.sinks.append(sink)
 
     def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
         if self.jsonl is not None:
             self.jsonl.close()
             self.jsonl = None
