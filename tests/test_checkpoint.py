@@ -1,0 +1,226 @@
+"""Checkpoints through real runs of ./run_train.sh (torchrun processes): exact resume with synchronous
+and asynchronous saves, kill -9 in the middle of a save, a full disk, and resharding across layouts.
+
+Every run uses the same global batch (4 sequences of 64 tokens: 1 process x 4, 2 x 2 or 4 x 1) and the
+constant learning-rate schedule. The schedule matters for honesty: "10 steps, stop, then the same command
+to 20" changes training.steps, and with a decaying schedule the first run's learning rates would come
+from a 10-step curve, not the 20-step one of the straight run. With warmup then constant, the learning
+rate at a step does not depend on training.steps, so both runs see exactly the straight run's schedule
+(asserted below via the logged lr). The kill test's two runs share training.steps.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.utils import DEBUG_CONFIG, FAST, ROOT, read_metrics, run_train
+from trainer.checkpoint import scan_folder, validate_checkpoint
+
+pytestmark = pytest.mark.slow
+
+STEPS = 20
+COMMON = ["--lr_scheduler.decay_type", "constant", "--checkpoint.interval", "5"]
+CKPT = ["--checkpoint.enable"]
+
+
+def batch(nproc: int) -> list[str]:
+    return ["--training.local_batch_size", str(4 // nproc)]
+
+
+def records(dump: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(dump)}  # a re-run step: its last record wins
+
+
+def output(proc) -> str:
+    return proc.stdout + proc.stderr
+
+
+def assert_same(ref: dict[int, dict], got: dict[int, dict], steps, rel: float = 0.0) -> None:
+    for s in steps:
+        a, b = ref[s], got[s]
+        assert b["data_fingerprint"] == a["data_fingerprint"], f"step {s}: different data"
+        assert b["lr"] == a["lr"], f"step {s}: lr {b['lr']} != {a['lr']}"
+        if rel == 0.0:
+            assert b["loss"] == a["loss"], f"step {s}: loss {b['loss']!r} != {a['loss']!r}"
+        else:
+            assert abs(b["loss"] - a["loss"]) <= rel * abs(a["loss"]), f"step {s}: loss {b['loss']} vs {a['loss']}"
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> dict[int, dict]:
+    """20 steps in one process, no checkpoints: the reference."""
+    dump = tmp_path_factory.mktemp("straight")
+    run_train(dump, *COMMON, *batch(1), "--training.steps", str(STEPS))
+    return records(dump)
+
+
+def test_exact_resume_sync(straight, tmp_path):
+    """10 steps, stop, the same command to 20: steps 11-20 bitwise identical to the straight run."""
+    args = [*COMMON, *CKPT, *batch(1), "--checkpoint.last_save_model_only", "false"]
+    run_train(tmp_path, *args, "--training.steps", "10")
+    proc = run_train(tmp_path, *args, "--training.steps", str(STEPS))
+    assert "checkpoint step-10 saved" not in output(proc) and "step-10 loaded" in output(proc)
+    got = records(tmp_path)
+    assert_same(straight, got, range(1, STEPS + 1))
+    assert sorted(got) == list(range(1, STEPS + 1))
+
+
+def test_exact_resume_async(straight, tmp_path):
+    """Asynchronous saves (slowed down so several steps run while one is written) with the default
+    model-only final save: the extended run resumes from the asynchronous step-5, bitwise."""
+    args = [*COMMON, *CKPT, *batch(1), "--checkpoint.async_mode", "async", "--checkpoint.drill_save_delay_s", "1"]
+    first = run_train(tmp_path, *args, "--training.steps", "10")
+    saved = re.search(r"checkpoint step-5 saved: .* in ([0-9.]+) s \(training blocked ([0-9.]+) s\)", output(first))
+    assert saved, output(first)[-3000:]
+    total, blocked = map(float, saved.groups())
+    assert total >= 1.0 > blocked  # written in the background while training went on
+    proc = run_train(tmp_path, *args, "--training.steps", str(STEPS))
+    log = output(proc)
+    assert "holds only model weights" in log and "step-5 loaded" in log
+    assert_same(straight, records(tmp_path), range(1, STEPS + 1))
+    kinds = {c.step: c.kind for c in scan_folder(tmp_path / "checkpoint")}
+    assert kinds == {5: "full", 10: "full", 15: "full", 20: "model_only"}
+
+
+def spawn_train(dump: Path, *args: str, nproc: int, log: Path) -> subprocess.Popen:
+    """tests.utils.run_train, but in the background (to kill -9 it), its output going to ``log``."""
+    env = {**os.environ, "PYTHON": sys.executable, "NGPU": str(nproc), "CONFIG_FILE": str(DEBUG_CONFIG),
+           "OMP_NUM_THREADS": "1", "LOG_RANK": "0"}
+    cmd = [str(ROOT / "run_train.sh"), "--job.dump_folder", str(dump), *FAST, *args]
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (torchrun starts its workers in sessions of their own, so a
+    process-group kill would miss them)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def kill_job(proc: subprocess.Popen) -> None:
+    """kill -9 the launcher and all its workers at once, like a lost node or ``scancel -s KILL``."""
+    for pid in _descendants(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_kill_during_save(straight, tmp_path):
+    """kill -9 of the whole job (launcher and both ranks) while step-10 is being written: the restart
+    reports the interrupted save, resumes from step-5 and completes, with the straight run's data and
+    losses (relative 1e-5: two processes sum in another order than one)."""
+    args = [*COMMON, *CKPT, *batch(2), "--training.steps", str(STEPS)]
+    killed_log = tmp_path.parent / f"{tmp_path.name}-killed.log"
+    proc = spawn_train(tmp_path, *args, "--checkpoint.drill_save_delay_s", "3", nproc=2, log=killed_log)
+    tmp = tmp_path / "checkpoint" / "step-10.tmp"
+    deadline = time.monotonic() + 300
+    try:
+        while not tmp.exists():
+            assert proc.poll() is None, f"run ended before the kill:\n{killed_log.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, "the step-10 save never started"
+            time.sleep(0.05)
+        time.sleep(0.5)
+    finally:
+        kill_job(proc)
+        proc.wait(timeout=60)
+    assert proc.returncode != 0
+    assert [(c.path.name, c.status) for c in scan_folder(tmp_path / "checkpoint")] == [
+        ("step-5", "complete"), ("step-10.tmp", "incomplete")]
+    assert max(records(tmp_path)) == 10
+
+    restart = run_train(tmp_path, *args, nproc=2)
+    log = output(restart)
+    assert "step-10.tmp is incomplete" in log and "step-5 loaded" in log
+    assert [c.path.name for c in scan_folder(tmp_path / "checkpoint")] == ["step-5", "step-10", "step-15", "step-20"]
+    assert_same(straight, records(tmp_path), range(1, STEPS + 1), rel=1e-5)
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def test_disk_full(tmp_path):
+    """A 100 MiB filesystem holds one checkpoint (65 MiB) but not two: the first save succeeds, the
+    second is refused with a message about disk space, the run exits non-zero, and step-2 stays intact.
+    (Without permission to mount a tmpfs the same is simulated with checkpoint.drill_disk_bytes.)"""
+    dump = tmp_path / "small"
+    mounted = _mount_tmpfs(dump, "100m")
+    try:
+        extra = [] if mounted else ["--checkpoint.drill_disk_bytes", str(100 << 20)]
+        proc = run_train(dump, *COMMON, *CKPT, *batch(1), "--training.steps", "6", "--checkpoint.interval", "2",
+                         "--checkpoint.last_save_model_only", "false", *extra, check=False)
+        log = output(proc)
+        assert proc.returncode != 0, log[-3000:]
+        assert "disk space is short" in log  # said at the start
+        assert "not enough disk space for checkpoint step-4" in log and "checkpoint error" in log
+        assert [(c.path.name, c.status) for c in scan_folder(dump / "checkpoint")] == [("step-2", "complete")]
+        assert validate_checkpoint(dump / "checkpoint" / "step-2")[0] == "complete"
+        assert max(records(dump)) == 4
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(dump)], check=False)
+
+
+def test_reshard(straight, tmp_path):
+    """Saved by FSDP 4, resumed by FSDP 2 (asynchronous saves, one failing on purpose), HSDP 2x2 (via
+    initial_load_path with the full state), TP 2 and one process: every run continues with the straight
+    run's data and losses (relative 1e-5)."""
+    src = tmp_path / "fsdp4"
+    run_train(src, *COMMON, *CKPT, *batch(4), "--training.steps", "10", "--checkpoint.last_save_model_only", "false",
+              nproc=4)
+    assert_same(straight, records(src), range(1, 11), rel=1e-5)
+    step10 = src / "checkpoint" / "step-10"
+    runs = {
+        "fsdp2": (2, [*batch(2), "--checkpoint.async_mode", "async", "--checkpoint.drill_fail_save_steps", "15",
+                      "--checkpoint.max_failed_saves", "2"]),
+        "hsdp": (4, [*batch(4), "--parallelism.data_parallel_replicate_degree", "2",
+                     "--checkpoint.initial_load_path", str(step10), "--checkpoint.initial_load_model_only", "false"]),
+        "tp2": (2, [*batch(1), "--parallelism.tensor_parallel_degree", "2"]),
+        "single": (1, batch(1)),
+    }
+    for name, (_, extra) in runs.items():
+        if "--checkpoint.initial_load_path" not in extra:
+            (tmp_path / name / "checkpoint").mkdir(parents=True)
+            shutil.copytree(step10, tmp_path / name / "checkpoint" / "step-10")
+
+    def go(name):
+        nproc, extra = runs[name]
+        return run_train(tmp_path / name, *COMMON, *CKPT, *extra, "--training.steps", str(STEPS), nproc=nproc)
+
+    with ThreadPoolExecutor(2) as pool:
+        procs = dict(zip(runs, pool.map(go, runs)))
+    for name in runs:
+        got = records(tmp_path / name)
+        assert sorted(got) == list(range(11, STEPS + 1)), name
+        assert_same(straight, got, range(11, STEPS + 1), rel=1e-5)
+    fsdp2 = output(procs["fsdp2"])
+    assert "checkpoint step-15 FAILED" in fsdp2 and "injected write failure" in fsdp2
+    assert records(tmp_path / "fsdp2")[STEPS]["checkpoint_failures"] == 1
+    assert "step-10 loaded" in output(procs["hsdp"])
