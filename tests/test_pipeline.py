@@ -80,3 +80,26 @@ def test_bubble_fractions():
     assert bubble_fraction("GPipe", pp=4, n_micro=4) == pytest.approx(3 / 7)
     assert bubble_fraction("1F1B", pp=4, n_micro=12) == pytest.approx(3 / 15)
     assert bubble_fraction("Interleaved1F1B", pp=4, n_micro=12, stages_per_rank=2) < bubble_fraction("1F1B", 4, 12)
+
+
+@pytest.mark.slow
+def test_pp_checkpoint_loads_under_pp1_and_fsdp2(tmp_path):
+    """Saved under PP 2, resumed under 1 process and under FSDP 2: same losses as a straight run."""
+    common = ["--lr_scheduler.decay_type", "constant", "--debug.deterministic", "--training.global_batch_size", "8",
+              "--checkpoint.interval", "3", "--checkpoint.last_save_model_only", "false"]
+    run_train(tmp_path / "straight", *common, "--training.local_batch_size", "8", "--training.steps", "6")
+    straight = losses(tmp_path / "straight")
+    run_train(tmp_path / "pp", *common, "--checkpoint.enable", "--training.local_batch_size", "8", *PP2,
+              "--training.steps", "3", nproc=2)
+    for name, nproc, batch in (("pp1", 1, "8"), ("fsdp2", 2, "4")):
+        dump = tmp_path / name
+        dump.mkdir()
+        import shutil
+
+        shutil.copytree(tmp_path / "pp" / "checkpoint", dump / "checkpoint")
+        run_train(dump, *common, "--checkpoint.enable", "--training.local_batch_size", batch, "--training.steps", "6",
+                  nproc=nproc)
+        resumed = losses(dump)
+        assert sorted(resumed) == [4, 5, 6], resumed  # continued from step 3
+        for step in (4, 5, 6):
+            assert abs(resumed[step] - straight[step]) <= 1e-5 * straight[step], (name, step, resumed, straight)
