@@ -5,14 +5,21 @@
 # Environment: NGPU (processes per node; default: GPUs present, else 1), NNODES, NODE_RANK,
 # RDZV_ENDPOINT (host:port) or MASTER_ADDR/MASTER_PORT, LOG_RANK (ranks whose console output is shown),
 # MAX_RESTARTS (torchrun restarts after a failure). Under Slurm or PBS these are derived from the
-# scheduler's variables (see scripts/launch_env.sh).
+# scheduler's variables (see scripts/launch_env.sh). Multi-node extras: RDZV_ID (job id shared by all
+# nodes), RDZV_CONF (torchrun --rdzv-conf, e.g. join_timeout=900), LOCAL_ADDR (this node's address as
+# the other nodes reach it). RUN_TRAIN_DRY=1 prints the torchrun command instead of running it.
+# See docs/multinode.md.
 set -euo pipefail
 cd "$(dirname "$0")"
 ROOT=$(pwd)
 
-# First run on a fresh clone: create .venv and install the project into it.
+# First run on a fresh clone: create .venv and install the project into it (not for a dry run).
 source "$ROOT/scripts/setup_env.sh"
-ensure_env "" "" || exit 1
+if [ -n "${RUN_TRAIN_DRY:-}" ]; then
+    PYTHON=${PYTHON:-$( [ -x "$ROOT/.venv/bin/python" ] && echo "$ROOT/.venv/bin/python" || echo python3 )}
+else
+    ensure_env "" "" || exit 1
+fi
 
 CONFIG_FILE=${CONFIG_FILE:-"$ROOT/train_configs/debug_model.toml"}
 if [ -z "${NGPU:-}" ]; then
@@ -26,19 +33,56 @@ NODE_RANK=${NODE_RANK:-0}
 LOG_RANK=${LOG_RANK:-0}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
 
+if ! [ "$NNODES" -ge 1 ] 2>/dev/null || ! [ "$NODE_RANK" -ge 0 ] 2>/dev/null || [ "$NODE_RANK" -ge "$NNODES" ]; then
+    echo "run_train.sh: NODE_RANK=$NODE_RANK must be in [0, NNODES=$NNODES)" >&2
+    exit 2
+fi
+
 TORCHRUN_ARGS=(--nnodes="$NNODES" --nproc-per-node="$NGPU" --max-restarts="$MAX_RESTARTS"
                --local-ranks-filter="$LOG_RANK" --role=rank)
 if [ "$NNODES" -gt 1 ] || [ -n "${RDZV_ENDPOINT:-}" ]; then
-    RDZV_ENDPOINT=${RDZV_ENDPOINT:-"${MASTER_ADDR:-localhost}:${MASTER_PORT:-29500}"}
+    if [ -z "${RDZV_ENDPOINT:-}" ] && [ -z "${MASTER_ADDR:-}" ]; then
+        echo "run_train.sh: NNODES=$NNODES needs the rendezvous host: set RDZV_ENDPOINT=host:port (or" \
+             "MASTER_ADDR and MASTER_PORT) to a node every node can reach, usually node 0" >&2
+        exit 2
+    fi
+    RDZV_ENDPOINT=${RDZV_ENDPOINT:-"${MASTER_ADDR}:${MASTER_PORT:-29500}"}
+    # c10d rendezvous: the agent on the endpoint's host serves it; all nodes must use the same id.
+    # (torchrun assigns node ranks at the rendezvous; --node-rank is informational with c10d.)
     TORCHRUN_ARGS+=(--rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="${RDZV_ID:-trainer}"
                     --node-rank="$NODE_RANK")
+    if [ -n "${LOCAL_ADDR:-}" ]; then
+        TORCHRUN_ARGS+=(--local-addr="$LOCAL_ADDR")
+        # torchrun recognises the rendezvous host by its hostname; an endpoint on another interface of
+        # this node (LOCAL_ADDR) is not recognised, so say so explicitly.
+        case ",${RDZV_CONF:-}," in *,is_host=*) ;; *)
+            [ "${RDZV_ENDPOINT%:*}" != "$LOCAL_ADDR" ] || RDZV_CONF=${RDZV_CONF:+$RDZV_CONF,}is_host=1 ;;
+        esac
+    fi
+    [ -z "${RDZV_CONF:-}" ] || TORCHRUN_ARGS+=(--rdzv-conf="$RDZV_CONF")
 else
     # One node: a free local port, so several runs can share a machine.
     TORCHRUN_ARGS+=(--standalone)
+fi
+
+# Restarts: with torchrun's c10d rendezvous sharing its store with the workers (the default), a restarted
+# attempt can read the previous attempt's connection keys and fail to connect (pytorch/pytorch#135712);
+# a fresh store per attempt avoids that.
+if [ "$MAX_RESTARTS" -gt 0 ]; then
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+fi
+
+CMD=("$PYTHON" -m torch.distributed.run "${TORCHRUN_ARGS[@]}" -m trainer.train --job.config_file "$CONFIG_FILE" "$@")
+if [ -n "${RUN_TRAIN_DRY:-}" ]; then
+    # The command this node would run, shell-quoted on one line; nothing is started.
+    [ -z "${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-}" ] || printf 'TORCH_DISABLE_SHARE_RDZV_TCP_STORE=%q ' "$TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+    printf '%q ' "${CMD[@]}"
+    echo
+    exit 0
 fi
 
 # Pre-flight: a bad key, type or layout fails here in a fraction of a second, with one clear message.
 case " $* " in *" --help "*|*" -h "*) exec "$PYTHON" -m trainer.config --help ;; esac
 WORLD_SIZE=$((NGPU * NNODES)) "$PYTHON" -m trainer.config --check --job.config_file "$CONFIG_FILE" "$@" || exit $?
 
-exec "$PYTHON" -m torch.distributed.run "${TORCHRUN_ARGS[@]}" -m trainer.train --job.config_file "$CONFIG_FILE" "$@"
+exec "${CMD[@]}"

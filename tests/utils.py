@@ -37,3 +37,20 @@ def read_metrics(dump_folder: Path) -> list[dict]:
 
 def losses(dump_folder: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(dump_folder)}
+
+
+def start_train(dump_folder: Path, *args: str, nproc: int = 1, config: Path = DEBUG_CONFIG,
+                env: dict[str, str] | None = None, log: Path | None = None, prefix: tuple[str, ...] = (),
+                fast: bool = True) -> subprocess.Popen:
+    """Like :func:`run_train` but returns at once: the launcher runs in its own process group (so that it and
+    its torchrun workers can be stopped together with ``os.killpg``), output to ``log`` (default
+    ``<dump_folder>.log``). ``prefix`` runs the launcher under another command, e.g. ``ip netns exec NS``."""
+    full_env = {**os.environ, "PYTHON": sys.executable, "NGPU": str(nproc), "CONFIG_FILE": str(config),
+                "OMP_NUM_THREADS": "1", "LOG_RANK": os.environ.get("LOG_RANK", "0")}
+    full_env.update(env or {})
+    log = Path(log) if log is not None else Path(f"{dump_folder}.log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [*prefix, str(ROOT / "run_train.sh"), "--job.dump_folder", str(dump_folder), *(FAST if fast else []), *args]
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)

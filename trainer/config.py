@@ -66,7 +66,8 @@ class Model:
     """tokenizer.json (HF tokenizers), sentencepiece tokenizer.model (Llama 2) or tiktoken file (Llama 3).
     Empty: the bundled debug BPE tokenizer."""
     vocab_size: int = -1
-    """Embedding rows. -1: the tokenizer's vocabulary rounded up to a multiple of 64 (faster matmuls)."""
+    """Embedding rows. -1: the flavor's published vocabulary, or for flavors without one (debugmodel) the
+    tokenizer's vocabulary rounded up to a multiple of 64 (faster matmuls)."""
     converters: list[str] = field(default_factory=list)
     """Model transformations applied before parallelization, e.g. ["quantize.linear.float8"]."""
     print_after_conversion: bool = False
@@ -154,7 +155,8 @@ class Parallelism:
     pipeline_parallel_degree: int = 1
     """Pipeline stages over ranks."""
     pipeline_parallel_schedule: str = "1F1B"
-    """Pipeline schedule name (see docs/pipeline.md for the list)."""
+    """Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or
+    DualPipeV (see docs/pipeline.md)."""
     pipeline_parallel_microbatch_size: int = 1
     """Sequences per pipeline micro-batch."""
     pipeline_parallel_layers_per_stage: int | None = None
@@ -194,6 +196,17 @@ class Checkpoint:
     """Initialise the model, save it as step 0, and exit (run on one process)."""
     max_failed_saves: int = 1
     """Stop the run (non-zero exit) after this many consecutive failed saves."""
+    timeout_seconds: int = 1800
+    """Collective timeout while saving or loading a checkpoint (ranks wait for the slowest writer); a save
+    that takes longer counts as failed."""
+    drill_save_delay_s: float = 0.0
+    """Fault drill: rank 0 waits this long inside each save before writing (the save stays uncommitted
+    meanwhile), to practise killing a run in the middle of a save."""
+    drill_fail_save_steps: list[int] = field(default_factory=list)
+    """Fault drill: the saves at these steps fail with an injected I/O error on the last rank."""
+    drill_disk_bytes: int = -1
+    """Fault drill: pretend the checkpoint folder sits on a filesystem of this many bytes (free space is
+    this minus what the folder holds); -1 measures the real filesystem."""
 
 
 @dataclass
@@ -276,17 +289,23 @@ class Validation:
 @dataclass
 class Profiling:
     enable_profiling: bool = False
-    """Record torch.profiler traces."""
+    """Record torch.profiler traces (CPU and CUDA activity, with ranges named data, forward, loss, backward,
+    optimizer, log and checkpoint): one Chrome/Perfetto trace per rank at
+    <dump_folder>/<save_traces_folder>/iteration_<step>/rank<r>_trace.json."""
     save_traces_folder: str = "profile_traces"
     """Trace folder, relative to job.dump_folder."""
     profile_freq: int = 100
-    """Record a trace every this many steps."""
+    """Record a trace every this many steps: each window ends at a multiple of profile_freq (also the
+    interval of memory snapshots)."""
     profiler_warmup: int = 3
-    """Steps of profiler warmup before each recorded window."""
+    """Steps of profiler warmup (not recorded) before each recorded window."""
     profiler_active: int = 1
-    """Steps recorded in each window."""
+    """Steps recorded in each window (the last ones before each multiple of profile_freq); warmup + active
+    must not exceed profile_freq."""
     enable_memory_snapshot: bool = False
-    """Record CUDA memory history and dump snapshots (and on out-of-memory)."""
+    """Record the CUDA allocator's history and dump a snapshot every profile_freq steps and on out-of-memory,
+    to <dump_folder>/<save_memory_snapshot_folder>/iteration_<step>[_exit]/rank<r>_memory_snapshot.pickle
+    (view at https://pytorch.org/memory_viz). GPU only; a CPU run warns and skips it."""
     save_memory_snapshot_folder: str = "memory_snapshot"
     """Snapshot folder, relative to job.dump_folder."""
 
@@ -298,7 +317,20 @@ class Comm:
     train_timeout_seconds: int = 100
     """Collective timeout after the first step, so a hung rank is noticed within minutes."""
     trace_buf_size: int = 20000
-    """NCCL flight-recorder entries kept per rank (0 disables)."""
+    """Flight-recorder entries (the most recent collectives, NCCL and gloo) kept per rank for hang
+    diagnosis; dumped by NCCL on a collective timeout and by the watchdog (0 disables)."""
+    save_traces_folder: str = "comm_traces"
+    """Flight-recorder dumps, relative to job.dump_folder: one file per rank, <save_traces_file_prefix><rank>;
+    analyse NCCL's with `torchfrtrace <folder>` (see docs/observability.md)."""
+    save_traces_file_prefix: str = "rank_"
+    """File-name prefix of the flight-recorder dumps (the rank follows)."""
+    watchdog_timeout_seconds: int = 600
+    """Hang watchdog: when no training step completes for this many seconds, every rank writes its Python
+    stacks to <dump_folder>/watchdog/rank<r>_stacks.txt (and the flight recorder), the run summary is
+    written, and the process exits with code 124 instead of hanging. The first step may take
+    comm.init_timeout_seconds if that is longer, a checkpoint save checkpoint.timeout_seconds more. Set it
+    below comm.train_timeout_seconds to get every rank's stacks before a collective timeout ends the run.
+    0 disables."""
 
 
 @dataclass
@@ -312,6 +344,19 @@ class Debug:
     """Fault drill: replace the batch at these steps with uniformly random tokens."""
     inject_nonfinite_loss_steps: list[int] = field(default_factory=list)
     """Fault drill: force a non-finite loss at these steps."""
+    stall_at_step: int = 0
+    """Hang drill: before this step (0 = never), rank debug.stall_rank sleeps debug.stall_seconds, so that
+    the watchdog (comm.watchdog_timeout_seconds) can be seen to fire."""
+    stall_rank: int = 0
+    """The rank that stalls in the hang drill (debug.stall_at_step)."""
+    stall_seconds: float = 3600.0
+    """How long the stalled rank sleeps in the hang drill."""
+    crash_at_step: int = 0
+    """Crash drill: just before this step (0 = never), rank debug.crash_rank kills itself with SIGKILL, on
+    the first attempt only (torchrun's TORCHELASTIC_RESTART_COUNT is 0), to practise the automatic restart
+    (MAX_RESTARTS) and resume from the latest checkpoint (see docs/multinode.md)."""
+    crash_rank: int = 0
+    """The global rank that kills itself in the crash drill (debug.crash_at_step)."""
 
 
 @dataclass
@@ -357,9 +402,9 @@ SECTION_DOC = {
     "data": "Data sources, mixing, packing and loader workers (see docs/data.md).",
     "validation": "Held-out loss during training.",
     "stability": "Skipping steps, spike and NaN guards, embedding-gradient shrink (see docs/stability.md).",
-    "profiling": "Profiler traces and memory snapshots.",
-    "comm": "Process-group timeouts and communication debugging.",
-    "debug": "Seeds and determinism.",
+    "profiling": "Profiler traces and CUDA memory snapshots (see docs/observability.md).",
+    "comm": "Process-group timeouts, the hang watchdog and the collective flight recorder (see docs/observability.md).",
+    "debug": "Seeds, determinism and fault drills.",
 }
 
 
@@ -652,7 +697,8 @@ def validate(config: JobConfig) -> None:
                 "checkpoint.interval", "validation.freq", "parallelism.tensor_parallel_degree",
                 "parallelism.pipeline_parallel_degree",
                 "parallelism.pipeline_parallel_microbatch_size", "profiling.profile_freq",
-                "checkpoint.max_failed_saves", "comm.init_timeout_seconds", "comm.train_timeout_seconds"):
+                "checkpoint.max_failed_saves", "checkpoint.timeout_seconds", "comm.init_timeout_seconds",
+                "comm.train_timeout_seconds"):
         positive(key)
     positive("lr_scheduler.warmup_steps", 0)
     positive("checkpoint.keep_latest_k", 0)
@@ -676,6 +722,16 @@ def validate(config: JobConfig) -> None:
         opt = config.activation_checkpoint.selective_ac_option
         if opt != "op" and not (opt.isdigit() and int(opt) >= 1):
             raise ConfigError(f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer, got {opt!r}")
+    if config.parallelism.pipeline_parallel_degree > 1 and config.validation.enable:
+        raise ConfigError("validation.enable is not supported with pipeline_parallel_degree > 1 yet; "
+                          "evaluate checkpoints with `trainer eval` instead")
+    schedules = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+                 "DualPipeV")
+    if config.parallelism.pipeline_parallel_schedule.lower() not in {x.lower() for x in schedules}:
+        close = difflib.get_close_matches(config.parallelism.pipeline_parallel_schedule, schedules, n=1)
+        raise ConfigError(f"parallelism.pipeline_parallel_schedule: unknown schedule "
+                          f"{config.parallelism.pipeline_parallel_schedule!r}"
+                          + (f" (did you mean {close[0]!r}?)" if close else "") + f"; valid: {', '.join(schedules)}")
     valid_converters = {"quantize.linear.float8"}
     for c in config.model.converters:
         if c not in valid_converters:

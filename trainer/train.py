@@ -9,10 +9,13 @@ materialise and initialise -> optimizer and LR schedule -> checkpoints (resume) 
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import json
 import logging
 import os
+import signal
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -21,10 +24,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.profiler import record_function
 
-from trainer import logs
+from trainer import logs, observability
 from trainer.callbacks import CallbackList, build_callbacks
-from trainer.checkpoint import CheckpointManager, TrainState
+from trainer.checkpoint import CheckpointError, CheckpointManager, TrainState
 from trainer.config import ConfigError, JobConfig, grad_accum_steps, help_text, load_config, to_toml
 from trainer.data import build_train_loader, build_val_loader
 from trainer.fingerprint import sequence_fingerprint
@@ -34,6 +38,7 @@ from trainer.optim import LRSchedule, build_optimizer
 from trainer.parallel.dims import ParallelDims, device_type
 from trainer.parallel.init import init_weights
 from trainer.parallel.parallelize import DTYPES, parallelize, validate_tp
+from trainer.parallel.pipeline import build_schedule, build_stage_model, plan_stages, schedule_name
 
 logger = logging.getLogger("trainer")
 
@@ -84,6 +89,7 @@ class Trainer:
         self.rank = int(os.environ.get("RANK", 0))
         self.dims = ParallelDims.from_config(config.parallelism, self.world_size)
         self.device = init_device()
+        observability.setup_flight_recorder(config)  # before the process group reads its variables
         init_process_group(self.device, config.comm.init_timeout_seconds)
         self.mesh = self.dims.build_mesh(self.device.type)
         self.dp_rank = self.dims.dp_mesh.get_local_rank()
@@ -91,6 +97,10 @@ class Trainer:
         configure_determinism(config, self.device)
         self.seed = 0 if config.debug.seed is None else config.debug.seed
         self.accum_steps = grad_accum_steps(config, self.dims.dp)
+        if self.device.type == "cuda" and not config.explicitly_set("data.pin_memory"):
+            # Pinned batches make forward_backward's non_blocking host-to-device copies asynchronous (from
+            # pageable memory they are synchronous copies through a staging buffer).
+            config.data.pin_memory = True
         if self.is_logging_rank:
             self.dump_folder.mkdir(parents=True, exist_ok=True)
             (self.dump_folder / "config.toml").write_text(to_toml(config))
@@ -107,32 +117,30 @@ class Trainer:
         validate_tp(self.dims, self.model_args.n_heads, self.model_args.num_kv_heads)
         with torch.device("meta"):
             template = Transformer(self.model_args)
-            model = Transformer(self.model_args)
         self.num_params = model_num_params(template)
         self.flops_per_token = flops_per_token(self.model_args, config.training.seq_len)
         self.callbacks: CallbackList = build_callbacks(config)
-        apply_converters(model, config)
-        parallelize(model, self.dims, self.mesh, config)
-        model.to_empty(device=self.device)
-        init_weights(model, template, self.seed, self.device)
-        self.model = model
-        self.model_parts = [model]
+        # Precision: FSDP casts parameters itself; without FSDP, autocast. CPU runs stay in float32
+        # unless the config asks for bf16 explicitly.
+        self.compute_dtype = DTYPES[config.training.mixed_precision_param]
+        if self.device.type == "cpu" and not config.explicitly_set("training.mixed_precision_param"):
+            self.compute_dtype = torch.float32
+        self.model_parts, self.pp_schedule = self.build_model_parts(template)
+        # Without pipelining the whole model is one part; with it, self.model is None.
+        self.model = self.model_parts[0] if self.pp_schedule is None else None
         self.callbacks.on_model_built(self)
         if config.model.print_after_conversion:
-            logger.info("model after conversion and parallelization:\n%s", model)
+            logger.info("model after conversion and parallelization:\n%s", self.model_parts)
 
-        # Precision: FSDP casts parameters itself; otherwise autocast on GPU, or on CPU when asked.
-        compute_dtype = DTYPES[config.training.mixed_precision_param]
-        if self.device.type == "cpu" and not config.explicitly_set("training.mixed_precision_param"):
-            compute_dtype = torch.float32
         self.autocast = (
-            torch.autocast(self.device.type, dtype=compute_dtype)
-            if compute_dtype != torch.float32 and not self.dims.fsdp_enabled
+            torch.autocast(self.device.type, dtype=self.compute_dtype)
+            if self.compute_dtype != torch.float32 and not self.dims.fsdp_enabled
             else contextlib.nullcontext()
         )
 
         # Optimizer and schedule.
-        self.optimizer = build_optimizer(list(model.named_parameters()), config.optimizer)
+        self.optimizer = build_optimizer([np for part in self.model_parts for np in part.named_parameters()],
+                                         config.optimizer)
         self.lr_schedule = LRSchedule(config.lr_scheduler, config.optimizer.lr, config.training.steps)
 
         # State that checkpoints carry, then resume if the dump folder has a checkpoint.
@@ -155,49 +163,109 @@ class Trainer:
             config.training.seq_len,
         )
 
+    def build_model_parts(self, template: torch.nn.Module):
+        """Convert, parallelize, materialise and initialise the model, or this rank's pipeline stages.
+
+        Returns the model parts and the pipeline schedule (None without pipelining)."""
+        config = self.config
+        if self.dims.pp == 1:
+            parts, stage_ids, plan = [copy.deepcopy(template)], None, None
+        else:
+            plan = plan_stages(config, self.model_args.n_layers)
+            stage_ids = plan.stages_of_rank(self.mesh["pp"].get_local_rank(), self.dims.pp,
+                                            schedule_name(config.parallelism.pipeline_parallel_schedule))
+            parts = [build_stage_model(template, plan.modules[i]) for i in stage_ids]
+        for part in parts:
+            stage_template = copy.deepcopy(part)
+            apply_converters(part, config)
+            parallelize(part, self.dims, self.mesh, config, param_dtype=self.compute_dtype)
+            part.to_empty(device=self.device)
+            init_weights(part, stage_template, self.seed, self.device)
+        if plan is None:
+            return parts, None
+        self.pp_has_first = 0 in stage_ids
+        self.pp_has_last = plan.num_stages - 1 in stage_ids
+        schedule, _ = build_schedule(parts, stage_ids, plan.num_stages, self.mesh["pp"], self.device, config,
+                                     self.pipeline_loss)
+        logger.info("pipeline: %d stages, this rank holds %s: %s", plan.num_stages, stage_ids,
+                    [plan.modules[i] for i in stage_ids])
+        return parts, schedule
+
     # ------------------------------------------------------------------------------------------------
     # One step
     # ------------------------------------------------------------------------------------------------
 
-    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def loss_parallel(self):
+        """Context for the loss and its backward: cross-entropy on vocabulary shards under TP.
+        (Not re-entrant: leaving a nested loss_parallel context removes its handlers.)"""
+        if self.dims.tp > 1 and not self.config.parallelism.disable_loss_parallel:
+            return torch.distributed.tensor.parallel.loss_parallel()
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Sum of token cross-entropies (float32); callers divide by the step's token count."""
-        loss_parallel = self.dims.tp > 1 and not self.config.parallelism.disable_loss_parallel
-        ctx = torch.distributed.tensor.parallel.loss_parallel() if loss_parallel else contextlib.nullcontext()
-        with ctx:
-            return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
+        # Mean then scale: loss-parallel cross-entropy supports the mean reduction.
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1)) * labels.numel()
 
     def next_micro_batches(self) -> list[dict[str, torch.Tensor]]:
         t0 = time.perf_counter()
-        batches = [next(self.data_iter) for _ in range(self.accum_steps)]
+        with record_function("data"):
+            batches = [next(self.data_iter) for _ in range(self.accum_steps)]
         self.throughput.data_wait += time.perf_counter() - t0
         return batches
 
+    def pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Loss of one pipeline micro-batch, normalised by the rank's tokens in the whole step. (Runs
+        inside the schedule, which forward_backward wraps in the loss-parallel context.)"""
+        loss = self.loss_fn(logits, labels) / self._tokens_per_rank
+        return self.callbacks.extra_loss(self, logits, loss, self._tokens_per_rank)
+
     def forward_backward(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """Accumulate gradients over the micro-batches; returns this rank's mean token loss (detached)."""
+        """Accumulate gradients over the micro-batches; returns this rank's mean token loss (detached).
+        Under pipelining only ranks holding the last stage have a loss; the others return 0."""
         tokens_per_rank = sum(b["labels"].numel() for b in batches)
-        loss_parallel = self.dims.tp > 1 and not self.config.parallelism.disable_loss_parallel
-        ctx = torch.distributed.tensor.parallel.loss_parallel() if loss_parallel else contextlib.nullcontext()
         total = torch.zeros((), device=self.device)
+        if self.pp_schedule is not None:
+            self._tokens_per_rank = tokens_per_rank
+            for batch in batches:
+                inputs = batch["input"].to(self.device, non_blocking=True)
+                labels = batch["labels"].to(self.device, non_blocking=True)
+                losses: list[torch.Tensor] = []
+                args = (inputs,) if self.pp_has_first else ()
+                kwargs = {"target": labels, "losses": losses} if self.pp_has_last else {}
+                with record_function("forward_backward"), self.autocast, self.loss_parallel():
+                    self.pp_schedule.step(*args, **kwargs, return_outputs=False)
+                for loss in losses:
+                    total += plain(loss.detach())
+            return total
         for batch in batches:
             inputs = batch["input"].to(self.device, non_blocking=True)
             labels = batch["labels"].to(self.device, non_blocking=True)
-            with self.autocast:
+            with record_function("forward"), self.autocast:
                 logits = self.model(inputs)
             # Loss parallel needs backward inside its context too.
-            with ctx:
-                loss = self.loss_fn(logits, labels) / tokens_per_rank
-                loss = self.callbacks.extra_loss(self, logits, loss, tokens_per_rank)
-                loss.backward()
-            total += loss.detach()
+            with self.loss_parallel():
+                with record_function("loss"):
+                    loss = self.loss_fn(logits, labels) / tokens_per_rank
+                    loss = self.callbacks.extra_loss(self, logits, loss, tokens_per_rank)
+                with record_function("backward"):
+                    loss.backward()
+            total += plain(loss.detach())
             del logits
         return total
 
     def clip_grad_norm(self) -> torch.Tensor:
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        """Global gradient norm over every parameter (all shards, all pipeline stages); clips in place."""
+        params = [p for part in self.model_parts for p in part.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
         if isinstance(norm, torch.distributed.tensor.DTensor):
             norm = norm.full_tensor()
+        if self.dims.pp > 1:
+            squared = norm.pow(2)
+            dist.all_reduce(squared, group=self.mesh["pp"].get_group())
+            norm = squared.sqrt()
         if self.config.training.max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, self.config.training.max_norm, norm, foreach=True)
         return norm
@@ -208,14 +276,18 @@ class Trainer:
         fingerprint = sum(sequence_fingerprint(b["input"], b["labels"]) for b in batches)
         lr = self.lr_schedule.apply(self.optimizer, step)
         torch.manual_seed(self.seed + step)
-        loss = self.forward_backward(batches)
-        grad_norm = self.clip_grad_norm()
-        skip, reason = self.callbacks.should_skip(self, step, loss, grad_norm)
-        if skip:
-            self.optimizer.zero_grad(set_to_none=True)
+        reason = self.callbacks.skip_before_forward(self, step)
+        if reason is not None:  # known in advance (e.g. stability.skip_steps): data drawn, nothing computed
+            skip = True
+            loss = grad_norm = torch.full((), float("nan"), device=self.device)
         else:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            loss = self.forward_backward(batches)
+            with record_function("optimizer"):
+                grad_norm = self.clip_grad_norm()
+                skip, reason = self.callbacks.should_skip(self, step, loss, grad_norm)
+                if not skip:
+                    self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
         tokens = sum(b["labels"].numel() for b in batches)
         self.state.step = step
         self.state.tokens_seen += tokens * self.dims.dp
@@ -230,13 +302,22 @@ class Trainer:
     # Logging and validation
     # ------------------------------------------------------------------------------------------------
 
+    def global_loss(self, local_loss: torch.Tensor) -> torch.Tensor:
+        """The step's mean token loss over all ranks: summed over pipeline stages (only the last has
+        it), averaged over data-parallel ranks. A collective: every rank must call it."""
+        loss = local_loss.detach().clone()
+        if self.dims.pp > 1:
+            dist.all_reduce(loss, group=self.mesh["pp"].get_group())
+        if self.dims.dp > 1:
+            dist.all_reduce(loss, group=self.dims.dp_mesh.get_group())
+            loss /= self.dims.dp
+        return loss
+
     def log_step(self, step: int, out: dict) -> None:
         """All-reduce the step's loss over data-parallel ranks and write one record."""
+        health = self.node_health()  # before the reductions below, which make every rank wait for the last
         dp_group = self.dims.dp_mesh.get_group()
-        loss = out["loss"].detach().clone()
-        if self.dims.dp > 1:
-            dist.all_reduce(loss, group=dp_group)
-            loss /= self.dims.dp
+        loss = self.global_loss(out["loss"])
         fp = torch.tensor([out["fingerprint"]], dtype=torch.int64)
         if self.dims.dp > 1:
             dist.all_reduce(fp, group=dp_group)  # a CPU tensor: gloo, also on GPU machines
@@ -260,14 +341,38 @@ class Trainer:
             "skipped_steps": self.state.skipped_steps,
             "eta": format_eta(remaining * speed["step_time_s"]),
         }
+        record.update(health)
         if out.get("skip_reason"):
             record["skip_reason"] = out["skip_reason"]
         record.update(self.callbacks.metrics(self, step))
+        record.update(self.checkpointer.metrics())
         if self.val_loader is not None and step % self.config.validation.freq == 0:
             record["validation_loss"] = self.validate()
         if self.is_logging_rank:
             logger.info(console_line(record, self.color))
             self.metrics.write({k: v for k, v in record.items() if k != "eta"})
+
+    def node_health(self) -> dict:
+        """Node-health fields: each rank's own step time and TFLOPS since the last log, over all ranks (one
+        small all-gather): min, max, and the slowest rank and its node (torchrun's GROUP_RANK).
+
+        A rank's time runs until it has finished its own work for the interval (device synchronised),
+        before the log step's collectives; the rank the others wait for has the longest time."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        tp = self.throughput
+        elapsed = max(time.perf_counter() - tp.t0, 1e-9)
+        mine = torch.tensor([elapsed / max(tp.steps, 1), tp.tokens * self.flops_per_token / elapsed / 1e12,
+                             float(os.environ.get("GROUP_RANK", 0))], dtype=torch.float64)
+        rows = [mine]
+        if self.world_size > 1:
+            rows = [torch.empty_like(mine) for _ in range(self.world_size)]
+            dist.all_gather(rows, mine)  # a CPU tensor: gloo, also on GPU machines
+        table = torch.stack(rows)
+        slowest = int(table[:, 0].argmax())
+        return {"step_time_min_s": float(table[:, 0].min()), "step_time_max_s": float(table[:, 0].max()),
+                "tflops_min": float(table[:, 1].min()), "tflops_max": float(table[:, 1].max()),
+                "slowest_rank": slowest, "slowest_node": int(table[slowest, 2])}
 
     @torch.no_grad()
     def validate(self) -> float:
@@ -281,7 +386,8 @@ class Trainer:
             labels = batch["labels"].to(self.device)
             with self.autocast:
                 logits = self.model(inputs)
-            total += self.loss_fn(logits, labels)
+            with self.loss_parallel():
+                total += plain(self.loss_fn(logits, labels))
             count += labels.numel()
         self.model.train()
         if self.dims.dp > 1:
@@ -299,31 +405,34 @@ class Trainer:
         self.data_iter = iter(self.train_loader)
         gc.disable()
         start_step = self.state.step
-        t_start = time.perf_counter()
         if start_step >= config.training.steps:
             logger.info("checkpoint is already at step %d of %d: nothing to train", start_step, config.training.steps)
         self.throughput.reset()
-        for step in range(start_step + 1, config.training.steps + 1):
-            if step % config.training.gc_freq == 0:
-                gc.collect(1)
-            out = self.train_step(step)
-            last = step == config.training.steps
-            if step % config.metrics.log_freq == 0 or last or out["skipped"]:
-                self.log_step(step, out)
-            self.checkpointer.maybe_save(step, last=last)
-            if step == start_step + 1:
-                set_train_timeout(config.comm.train_timeout_seconds)
-        self.checkpointer.finish()
+        # Profiler, memory snapshots, hang watchdog; the run summary (summary.json) at the end or on failure.
+        with observability.Observability(self) as obs:
+            for step in range(start_step + 1, config.training.steps + 1):
+                if step % config.training.gc_freq == 0:
+                    gc.collect(1)
+                crash_for_drill(config, self.rank, step)
+                with obs.step(step):  # CUDA out-of-memory: memory snapshot, re-raised
+                    out = self.train_step(step)
+                last = step == config.training.steps
+                if step % config.metrics.log_freq == 0 or last or out["skipped"]:
+                    with record_function("log"):
+                        self.log_step(step, out)
+                with obs.checkpoint():
+                    self.checkpointer.maybe_save(step, last=last)
+                if step == start_step + 1:
+                    set_train_timeout(config.comm.train_timeout_seconds)
+                obs.step_done(step)  # watchdog heartbeat, profiler step
+            with obs.checkpoint():
+                self.checkpointer.finish()
         self.metrics.close()
-        elapsed = time.perf_counter() - t_start
-        if self.is_logging_rank:
-            logger.info(
-                "done: %d steps (%d this run, %.1f s), %s tokens seen, %d skipped; outputs in %s "
-                "(metrics.jsonl, %s/, config.toml%s)",
-                self.state.step, self.state.step - start_step, elapsed, f"{self.state.tokens_seen:,}",
-                self.state.skipped_steps, self.dump_folder.resolve(), config.metrics.save_tb_folder,
-                f", {config.checkpoint.folder}/" if config.checkpoint.enable else "",
-            )
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (e.g. the loss under loss parallel) as an ordinary tensor."""
+    return t.full_tensor() if isinstance(t, torch.distributed.tensor.DTensor) else t
 
 
 # --------------------------------------------------------------------------------------------------
@@ -354,13 +463,81 @@ def init_process_group(device: torch.device, timeout_s: int) -> None:
 
 
 def set_train_timeout(seconds: int) -> None:
-    """After the first step, a collective that waits this long means a hung rank: fail fast."""
-    try:
-        from torch.distributed.distributed_c10d import _set_pg_timeout
+    """After the first step, a collective that waits this long means a hung rank: fail fast.
 
-        _set_pg_timeout(timedelta(seconds=seconds), None)
+    torch's ``_set_pg_timeout`` changes one group only, so it is applied to the default group and to every
+    group the device mesh created (``mesh_*``: FSDP/HSDP, TP, PP collectives), NCCL and gloo backends
+    alike. Groups made elsewhere with their own timeout (checkpoint saves) keep theirs."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_group, _set_pg_timeout, _world
+
+        default = _get_default_group()
+        groups = [pg for pg in list(_world.pg_map)
+                  if pg is default or str(getattr(pg, "group_desc", "")).startswith("mesh_")]
+        for pg in groups:
+            _set_pg_timeout(timedelta(seconds=seconds), pg)
+        logger.info("collective timeout now %d s on %d process group(s) (comm.train_timeout_seconds)",
+                    seconds, len(groups))
     except Exception as e:  # older/other backends: keep the start-up timeout
-        logger.debug("could not shorten the collective timeout: %s", e)
+        logger.warning("could not shorten the collective timeout: %s", e)
+
+
+def crash_for_drill(config: JobConfig, rank: int, step: int) -> None:
+    """debug.crash_at_step: SIGKILL this rank before the step, on torchrun's first attempt only."""
+    d = config.debug
+    if (d.crash_at_step and step == d.crash_at_step and rank == d.crash_rank
+            and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0):
+        logger.warning("debug.crash_at_step: rank %d kills itself (SIGKILL) before step %d (crash drill)", rank, step)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+_COLLECTIVE_FAILURES = ("timed out waiting", "watchdog caught collective operation timeout",
+                        "connection closed by peer", "connection reset by peer")
+
+
+def collective_failure_note(exc: BaseException, trainer: "Trainer | None") -> str | None:
+    """For a collective that timed out or lost its peer: one line naming this rank, its node and host, the
+    step, and the collective it was in (the flight recorder's oldest unfinished entry: op, group, its
+    ranks), since gloo's own error names none of these. None for any other error."""
+    text = str(exc)
+    if not (isinstance(exc, RuntimeError) and any(p in text.lower() for p in _COLLECTIVE_FAILURES)):
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    what = "timed out" if "time" in text.lower() else "lost a peer"
+    where = (f"rank {dist.get_rank()} of {dist.get_world_size()} (node {os.environ.get('GROUP_RANK', 0)}, "
+             f"local rank {os.environ.get('LOCAL_RANK', 0)}, host {socket.gethostname()})")
+    if trainer is not None:
+        where += f" after step {trainer.state.step}"
+    return f"collective {what} on {where}: {pending_collective()}; error: {text.strip().splitlines()[0][:300]}"
+
+
+def pending_collective() -> str:
+    """The collective this rank is stuck in, from the flight recorder (comm.trace_buf_size)."""
+    try:
+        from torch.distributed.distributed_c10d import _world
+
+        c10d = torch._C._distributed_c10d
+        entries = []
+        dumps = [getattr(c10d, "_dump_fr_trace_json", None)]
+        if torch.cuda.is_available():
+            dumps.append(getattr(c10d, "_dump_nccl_trace_json", None))
+        for dump in dumps:
+            try:
+                entries += json.loads(dump()).get("entries", []) if dump is not None else []
+            except Exception:  # one recorder unreadable: use the other
+                pass
+        if not entries:
+            return "collective unknown (flight recorder empty or off: comm.trace_buf_size)"
+        open_ = [e for e in entries if not e.get("retired") and e.get("state") != "completed"]
+        e = min(open_, key=lambda x: x.get("time_created_ns", 0)) if open_ else entries[-1]
+        name, desc = (list(e.get("process_group") or ["?", "?"]) + ["?"])[:2]
+        ranks = next((dist.get_process_group_ranks(pg) for pg, n in _world.pg_names.items() if n == name), "?")
+        return (f"{e.get('profiling_name', '?')} on process group {desc} (ranks {ranks}), its collective "
+                f"#{e.get('collective_seq_id', '?')}, input sizes {e.get('input_sizes')}, timeout "
+                f"{e.get('timeout_ms', '?')} ms")
+    except Exception as err:  # diagnosis must never mask the original error
+        return f"collective unknown ({err})"
 
 
 def configure_determinism(config: JobConfig, device: torch.device) -> None:
@@ -406,6 +583,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(help_text())
         return 0
+    trainer = None
     try:
         config = load_config(argv)
         if config.job.print_config:
@@ -415,10 +593,20 @@ def main(argv: list[str] | None = None) -> int:
             dry_run(config)
             return 0
         trainer = Trainer(config)
+        if trainer.checkpointer.seed_created:
+            return 0  # checkpoint.create_seed_checkpoint: step-0 saved, nothing to train
         trainer.train()
     except ConfigError as e:
         logger.error("config error: %s", e)
         return 2
+    except CheckpointError as e:
+        logger.error("checkpoint error: %s", e)
+        return 3
+    except Exception as e:
+        note = collective_failure_note(e, trainer)
+        if note is not None:
+            logger.error(note)
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

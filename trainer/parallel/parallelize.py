@@ -31,8 +31,10 @@ logger = logging.getLogger("trainer")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, config: JobConfig) -> nn.Module:
-    """Apply every configured transformation to ``model`` (a whole model or one pipeline stage)."""
+def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, config: JobConfig,
+                param_dtype: torch.dtype) -> nn.Module:
+    """Apply every configured transformation to ``model`` (a whole model or one pipeline stage).
+    ``param_dtype`` is the compute dtype FSDP casts parameters to."""
     if dims.tp > 1:
         apply_tp(model, mesh["tp"], loss_parallel=not config.parallelism.disable_loss_parallel,
                  float8="quantize.linear.float8" in config.model.converters,
@@ -53,7 +55,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, config: 
         apply_fsdp(
             model,
             dp_mesh,
-            param_dtype=DTYPES[config.training.mixed_precision_param],
+            param_dtype=param_dtype,
             reduce_dtype=DTYPES[config.training.mixed_precision_reduce],
             reshard_after_forward=config.parallelism.fsdp_reshard_after_forward,
             cpu_offload=config.training.enable_cpu_offload,
