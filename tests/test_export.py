@@ -25,27 +25,13 @@ from torchtitan_ext.native import CheckpointNotFound, find_checkpoint, load_nati
 from trainer.config import load_config
 from trainer.models.llama import LlamaModelArgs, RopeScaling, Transformer
 from trainer.train import load_tokenizer, model_args_for
+from tests.utils import fast_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
 SEQ = 48
-
-
-def fast_model(args, seed: int = 0) -> Transformer:
-    """Random weights without the (slow on CPU) truncated-normal init; norm weights around 1 so that a
-    mixed-up norm mapping would show."""
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device="cpu")
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            scale = 1.0 if "tok_embeddings" in name else 0.02
-            p.copy_(torch.randn(p.shape, generator=gen) * scale + (1.0 if "norm" in name else 0.0))
-    model.rope_cache = model._compute_rope_cache()
-    return model.eval()
 
 
 def debug_run(tmp_path, seed: int = 0):

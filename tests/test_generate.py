@@ -12,21 +12,7 @@ from torchtitan_ext.native import save_native_checkpoint
 from trainer.config import load_config
 from trainer.models.llama import LlamaModelArgs, Transformer
 from trainer.train import load_tokenizer, model_args_for
-
-
-def fast_model(args, seed: int = 0) -> Transformer:
-    """Random weights without the (slow on CPU) truncated-normal init; norm weights around 1 so that a
-    mixed-up norm mapping would show."""
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device="cpu")
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            scale = 1.0 if "tok_embeddings" in name else 0.02
-            p.copy_(torch.randn(p.shape, generator=gen) * scale + (1.0 if "norm" in name else 0.0))
-    model.rope_cache = model._compute_rope_cache()
-    return model.eval()
+from tests.utils import fast_model
 
 
 @pytest.fixture(scope="module")

@@ -825,29 +825,33 @@ def to_toml(config: JobConfig) -> str:
     return "\n".join(lines)
 
 
+def documented_keys():
+    """Yield (section, field name, type, default, doc) for every key, in declaration order."""
+    defaults = JobConfig()
+    for section, cls in iter_sections():
+        docs = field_docs(cls)
+        obj = _get_section(defaults, section)
+        for f in dataclasses.fields(cls):
+            tp = _hints(cls)[f.name]
+            if not _is_section(tp):
+                yield section, f.name, tp, getattr(obj, f.name), docs.get(f.name, "")
+
+
 def help_text() -> str:
     lines = [
         "usage: run_train.sh [--section.key value | --section.key=value | --section.bool_key] ...",
         "",
         "Keys are read from the TOML file given by CONFIG_FILE (or --job.config_file), then overridden on",
         "the command line. Lists are comma-separated. Every key, with its default:",
-        "",
     ]
-    defaults = JobConfig()
-    for section, cls in iter_sections():
-        lines.append(f"[{section}]  {SECTION_DOC.get(section, '')}")
-        docs = field_docs(cls)
-        obj = _get_section(defaults, section)
-        for f in dataclasses.fields(cls):
-            tp = _hints(cls)[f.name]
-            if _is_section(tp):
-                continue
-            default = getattr(obj, f.name)
-            lines.append(f"  --{section}.{f.name}  ({type_name(tp)}, default {default!r})")
-            for doc_line in docs.get(f.name, "").splitlines():
-                lines.append(f"      {doc_line}")
-        lines.append("")
-    return "\n".join(lines)
+    current = None
+    for section, name, tp, default, doc in documented_keys():
+        if section != current:
+            lines += ["", f"[{section}]  {SECTION_DOC.get(section, '')}"]
+            current = section
+        lines.append(f"  --{section}.{name}  ({type_name(tp)}, default {default!r})")
+        lines += [f"      {doc_line}" for doc_line in doc.splitlines()]
+    return "\n".join(lines) + "\n"
 
 
 def markdown_reference() -> str:
@@ -861,25 +865,18 @@ def markdown_reference() -> str:
         "Keys are set in a TOML file (`CONFIG_FILE=path ./run_train.sh` or `--job.config_file path`) and",
         "overridden on the command line as `--section.key value` or `--section.key=value` (booleans also as",
         "a bare `--section.key`; lists comma-separated). Precedence: command line > TOML > defaults.",
-        "",
     ]
-    defaults = JobConfig()
-    for section, cls in iter_sections():
-        out += [f"## [{section}]", "", SECTION_DOC.get(section, ""), "", "| key | type | default | meaning |",
-                "| --- | --- | --- | --- |"]
-        docs = field_docs(cls)
-        obj = _get_section(defaults, section)
-        for f in dataclasses.fields(cls):
-            tp = _hints(cls)[f.name]
-            if _is_section(tp):
-                continue
-            default = getattr(obj, f.name)
-            doc = docs.get(f.name, "").replace("\n", " ").replace("|", "\\|")
-            shown = "None" if default is None else _toml_value(default)
-            tname = type_name(tp).replace("|", "\\|")
-            out.append(f"| `{f.name}` | {tname} | `{shown}` | {doc} |")
-        out.append("")
-    return "\n".join(out)
+    current = None
+    for section, name, tp, default, doc in documented_keys():
+        if section != current:
+            out += ["", f"## [{section}]", "", SECTION_DOC.get(section, ""), "", "| key | type | default | meaning |",
+                    "| --- | --- | --- | --- |"]
+            current = section
+        shown = "None" if default is None else _toml_value(default)
+        tname = type_name(tp).replace("|", "\\|")
+        doc = doc.replace("\n", " ").replace("|", "\\|")
+        out.append(f"| `{name}` | {tname} | `{shown}` | {doc} |")
+    return "\n".join(out) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
