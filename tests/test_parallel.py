@@ -23,24 +23,25 @@ def single(tmp_path_factory):
     return losses(dump)
 
 
+# name: (processes, local batch size so that local x data-parallel degree = 8, extra args)
 LAYOUTS = {
-    "fsdp2": (2, []),
-    "fsdp4": (4, []),
-    "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2"]),
-    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
-    "fsdp2_tp2": (4, ["--parallelism.tensor_parallel_degree", "2"]),
-    "fsdp2_ac_full": (2, ["--activation_checkpoint.mode", "full"]),
-    "fsdp2_ac_selective_op": (2, ["--activation_checkpoint.mode", "selective"]),
-    "fsdp2_ac_selective_every2": (2, ["--activation_checkpoint.mode", "selective",
-                                      "--activation_checkpoint.selective_ac_option", "2"]),
+    "fsdp2": (2, 4, []),
+    "fsdp4": (4, 2, []),
+    "hsdp2x2": (4, 2, ["--parallelism.data_parallel_replicate_degree", "2"]),
+    "tp2": (2, 8, ["--parallelism.tensor_parallel_degree", "2"]),
+    "fsdp2_tp2": (4, 4, ["--parallelism.tensor_parallel_degree", "2"]),
+    "fsdp2_ac_full": (2, 4, ["--activation_checkpoint.mode", "full"]),
+    "fsdp2_ac_selective_op": (2, 4, ["--activation_checkpoint.mode", "selective"]),
+    "fsdp2_ac_selective_every2": (2, 4, ["--activation_checkpoint.mode", "selective",
+                                         "--activation_checkpoint.selective_ac_option", "2"]),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(name, single, tmp_path):
-    nproc, extra = LAYOUTS[name]
-    run_train(tmp_path, *STEPS, "--training.local_batch_size", "4", *extra, nproc=nproc)
+    nproc, local_batch, extra = LAYOUTS[name]
+    run_train(tmp_path, *STEPS, "--training.local_batch_size", str(local_batch), *extra, nproc=nproc)
     diffs = relative_diffs(losses(tmp_path), single)
     assert max(diffs) <= 1e-5, diffs
 

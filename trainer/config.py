@@ -223,7 +223,8 @@ class Compile:
     enable: bool = False
     """Compile each transformer block (and the loss) with torch.compile."""
     components: list[Literal["model", "loss"]] = field(default_factory=lambda: ["model", "loss"])
-    """What to compile when enabled."""
+    """What to compile when enabled: each transformer block ("model") and the cross-entropy ("loss"; fuses
+    the float32 upcast of the logits, saving memory; not under tensor-parallel loss parallel)."""
     backend: str = "inductor"
     """torch.compile backend."""
     cache_dir: str = ""

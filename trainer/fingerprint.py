@@ -27,5 +27,9 @@ def sequence_fingerprint(inputs: torch.Tensor, labels: torch.Tensor) -> int:
     per_seq = (seqs * w).sum(dim=1)
     # Mix the per-sequence values so that equal token multisets in different sequences differ.
     per_seq = per_seq * 0x9E3779B1 + (per_seq >> 29)
-    total = int(per_seq.sum().item())
-    return (total + 2**63) % 2**64 - 2**63  # a signed int64, as collectives carry it
+    return wrap_int64(int(per_seq.sum().item()))
+
+
+def wrap_int64(value: int) -> int:
+    """``value`` modulo 2**64 as a signed int64 (what collectives carry); sums of fingerprints wrap too."""
+    return (value + 2**63) % 2**64 - 2**63

@@ -31,7 +31,7 @@ from trainer.callbacks import CallbackList, build_callbacks
 from trainer.checkpoint import CheckpointError, CheckpointManager, TrainState
 from trainer.config import ConfigError, JobConfig, grad_accum_steps, help_text, load_config, to_toml
 from trainer.data import build_train_loader, build_val_loader
-from trainer.fingerprint import sequence_fingerprint
+from trainer.fingerprint import sequence_fingerprint, wrap_int64
 from trainer.metrics import MetricsWriter, Throughput, console_line, format_eta, memory_gib, peak_tflops, use_color
 from trainer.models.llama import Transformer, flops_per_token, get_llama_args, model_num_params
 from trainer.optim import LRSchedule, build_optimizer
@@ -132,6 +132,8 @@ class Trainer:
         if config.model.print_after_conversion:
             logger.info("model after conversion and parallelization:\n%s", self.model_parts)
 
+        if config.compile.enable and "loss" in config.compile.components and not self.uses_loss_parallel:
+            self.loss_fn = torch.compile(Trainer.loss_fn, backend=config.compile.backend)
         self.autocast = (
             torch.autocast(self.device.type, dtype=self.compute_dtype)
             if self.compute_dtype != torch.float32 and not self.dims.fsdp_enabled
@@ -195,10 +197,14 @@ class Trainer:
     # One step
     # ------------------------------------------------------------------------------------------------
 
+    @property
+    def uses_loss_parallel(self) -> bool:
+        return self.dims.tp > 1 and not self.config.parallelism.disable_loss_parallel
+
     def loss_parallel(self):
         """Context for the loss and its backward: cross-entropy on vocabulary shards under TP.
         (Not re-entrant: leaving a nested loss_parallel context removes its handlers.)"""
-        if self.dims.tp > 1 and not self.config.parallelism.disable_loss_parallel:
+        if self.uses_loss_parallel:
             return torch.distributed.tensor.parallel.loss_parallel()
         return contextlib.nullcontext()
 
@@ -273,7 +279,7 @@ class Trainer:
     def train_step(self, step: int) -> dict:
         batches = self.next_micro_batches()
         batches = self.callbacks.on_batches(self, step, batches)
-        fingerprint = sum(sequence_fingerprint(b["input"], b["labels"]) for b in batches)
+        fingerprint = wrap_int64(sum(sequence_fingerprint(b["input"], b["labels"]) for b in batches))
         lr = self.lr_schedule.apply(self.optimizer, step)
         torch.manual_seed(self.seed + step)
         reason = self.callbacks.skip_before_forward(self, step)

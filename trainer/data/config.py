@@ -26,7 +26,8 @@ class Data:
     prefetch_factor: int = 2
     """Micro-batches each loader worker prepares ahead (only with num_workers > 0)."""
     pin_memory: bool = False
-    """Return batches in pinned (page-locked) memory for faster host-to-GPU copies."""
+    """Return batches in pinned (page-locked) memory for asynchronous host-to-GPU copies. Turned on
+    automatically on GPUs unless set explicitly."""
     separator: Literal["bos", "eos"] = "bos"
     """The one separator between packed documents: bos (prepended to every document) or eos (appended)."""
     document_positions: bool = False
