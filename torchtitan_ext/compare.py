@@ -239,9 +239,10 @@ def common_points(curves: list[Curve], axis: str, n: int, at: list[float] | None
         return np.asarray([])
     if lo == hi:
         return np.asarray([lo])
-    if log and lo > 0:
-        return np.geomspace(lo, hi, n)
-    return np.linspace(lo, hi, n)
+    points = np.geomspace(lo, hi, n) if log and lo > 0 else np.linspace(lo, hi, n)
+    if axis == "steps":  # steps are integers: compare at logged steps, not between them
+        points = np.unique(np.round(points))
+    return points
 
 
 def human(x: float) -> str:
