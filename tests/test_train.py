@@ -40,10 +40,15 @@ def test_debug_model_learns_and_writes_every_output(tmp_path):
 
 @pytest.mark.slow
 def test_deterministic_runs_are_bitwise_identical(tmp_path):
-    args = ["--training.steps", "6", "--debug.deterministic"]
+    """Also evaluates the held-out split every 3 steps: validation_loss is logged and repeats too."""
+    args = ["--training.steps", "6", "--debug.deterministic", "--validation.enable", "--validation.freq", "3",
+            "--validation.steps", "2"]
     run_train(tmp_path / "a", *args)
     run_train(tmp_path / "b", *args)
     a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    validated = {r["step"]: r["validation_loss"] for r in a if "validation_loss" in r}
+    assert sorted(validated) == [3, 6] and all(0 < v < 20 for v in validated.values())
+    assert validated == {r["step"]: r["validation_loss"] for r in b if "validation_loss" in r}
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
     assert [r["grad_norm"] for r in a] == [r["grad_norm"] for r in b]
     assert [r["data_fingerprint"] for r in a] == [r["data_fingerprint"] for r in b]
