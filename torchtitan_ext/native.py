@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from trainer.parallel import clean_fqn
+
 logger = logging.getLogger("trainer")
 
 __all__ = [
@@ -36,8 +38,6 @@ __all__ = [
 ]
 
 _STEP_DIR = re.compile(r"^step[-_](\d+)$")
-# Inserted into parameter names by activation checkpointing / torch.compile / FSDP1 wrappers.
-_WRAPPER_TOKENS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
 DTYPES = {
     "fp32": torch.float32, "float32": torch.float32,
@@ -57,12 +57,6 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         return DTYPES[str(name).lower()]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; use one of fp32, bf16, fp16") from None
-
-
-def clean_fqn(name: str) -> str:
-    for token in _WRAPPER_TOKENS:
-        name = name.replace(token, "")
-    return name
 
 
 def _is_complete(step_dir: Path) -> bool:

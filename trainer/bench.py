@@ -56,6 +56,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from trainer.parallel import clean_fqn
 
 logger = logging.getLogger("trainer")
 
@@ -173,27 +174,12 @@ class _NoObservability:
 
 
 def trainer_steps(trainer, first: int, n: int, obs=None) -> int:
-    """The body of ``Trainer.train``'s loop for steps first .. first+n-1: GC every training.gc_freq steps,
-    the step (inside the observability hooks), a log record every metrics.log_freq steps, maybe a
-    checkpoint, the heartbeat. ``obs``: an entered ``trainer.observability.Observability`` (profiler,
-    watchdog), as ``Trainer.train`` holds one; None skips those hooks."""
-    from torch.profiler import record_function
-
+    """Steps first .. first+n-1 exactly as ``Trainer.train`` runs them (``Trainer.run_step``). ``obs``: an
+    entered ``trainer.observability.Observability``, as ``Trainer.train`` holds one; None skips its hooks."""
     obs = obs if obs is not None else _NoObservability()
-    config = trainer.config
-    log_freq = config.metrics.log_freq
     step = first
     for step in range(first, first + n):
-        if step % config.training.gc_freq == 0:
-            gc.collect(1)
-        with obs.step(step):
-            out = trainer.train_step(step)
-        if step % log_freq == 0 or out["skipped"]:
-            with record_function("log"):
-                trainer.log_step(step, out)
-        with obs.checkpoint():
-            trainer.checkpointer.maybe_save(step)
-        obs.step_done(step)
+        trainer.run_step(step, obs)
     return step
 
 
@@ -208,12 +194,6 @@ def observed(trainer):
         return
     with Observability(trainer) as obs:
         yield obs
-
-
-def _clean(name: str) -> str:
-    for token in ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module."):
-        name = name.replace(token, "")
-    return name
 
 
 # --------------------------------------------------------------------------------------------------
@@ -241,7 +221,7 @@ class BareLoop:
             from trainer.train import apply_converters
 
             apply_converters(model, config)
-        state = {_clean(k): v for k, v in trainer.model.state_dict().items()}
+        state = {clean_fqn(k): v for k, v in trainer.model.state_dict().items()}
         model.load_state_dict(state)
         if config.activation_checkpoint.mode != "none":
             from trainer.parallel.parallelize import apply_ac

@@ -54,6 +54,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer.parallel import clean_fqn
+
 logger = logging.getLogger("trainer")
 
 FORMAT_VERSION = 1
@@ -68,8 +70,6 @@ _NAME_RE = re.compile(r"^step-(\d+)(\.tmp|\.replaced)?$")
 # State entries a checkpoint holds; checkpoint.exclude_from_loading may name any of them.
 STATE_KEYS = ("model", "optimizer", "lr_scheduler", "train_state", "callbacks", "dataloader", "rng")
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Wrappers (torch.compile, activation checkpointing, FSDP1) that may appear in parameter names.
-_WRAPPER_TOKENS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 _LOOKAHEAD_SAVES = 3  # warn when this many upcoming saves would not fit
 
 try:  # DCP's CheckpointException derives from BaseException, not Exception
@@ -222,12 +222,6 @@ def _write_file_atomic(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
-
-
-def clean_fqn(name: str) -> str:
-    for token in _WRAPPER_TOKENS:
-        name = name.replace(token, "")
-    return name
 
 
 # --------------------------------------------------------------------------------------------------

@@ -406,6 +406,23 @@ class Trainer:
     # The loop
     # ------------------------------------------------------------------------------------------------
 
+    def run_step(self, step: int, obs) -> dict:
+        """One iteration of the loop: the step, its log record, a checkpoint if due, the heartbeat."""
+        config = self.config
+        if step % config.training.gc_freq == 0:
+            gc.collect(1)
+        crash_for_drill(config, self.rank, step)
+        with obs.step(step):  # CUDA out-of-memory: memory snapshot, re-raised
+            out = self.train_step(step)
+        last = step == config.training.steps
+        if step % config.metrics.log_freq == 0 or last or out["skipped"]:
+            with record_function("log"):
+                self.log_step(step, out)
+        with obs.checkpoint():
+            self.checkpointer.maybe_save(step, last=last)
+        obs.step_done(step)  # watchdog heartbeat, profiler step
+        return out
+
     def train(self) -> None:
         config = self.config
         self.data_iter = iter(self.train_loader)
@@ -417,20 +434,9 @@ class Trainer:
         # Profiler, memory snapshots, hang watchdog; the run summary (summary.json) at the end or on failure.
         with observability.Observability(self) as obs:
             for step in range(start_step + 1, config.training.steps + 1):
-                if step % config.training.gc_freq == 0:
-                    gc.collect(1)
-                crash_for_drill(config, self.rank, step)
-                with obs.step(step):  # CUDA out-of-memory: memory snapshot, re-raised
-                    out = self.train_step(step)
-                last = step == config.training.steps
-                if step % config.metrics.log_freq == 0 or last or out["skipped"]:
-                    with record_function("log"):
-                        self.log_step(step, out)
-                with obs.checkpoint():
-                    self.checkpointer.maybe_save(step, last=last)
+                self.run_step(step, obs)
                 if step == start_step + 1:
                     set_train_timeout(config.comm.train_timeout_seconds)
-                obs.step_done(step)  # watchdog heartbeat, profiler step
             with obs.checkpoint():
                 self.checkpointer.finish()
         self.metrics.close()

@@ -18,6 +18,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from trainer.parallel import clean_fqn
+
 
 def model_units(template: nn.Module) -> list[str]:
     units = [name for name in ("tok_embeddings",) if getattr(template, name, None) is not None]
@@ -47,20 +49,13 @@ def _local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return full[index]
 
 
-def _clean(name: str) -> str:
-    # Wrappers (activation checkpointing, torch.compile) insert these into parameter names.
-    for token in ("_checkpoint_wrapped_module.", "_orig_mod."):
-        name = name.replace(token, "")
-    return name
-
-
 @torch.no_grad()
 def init_weights(model: nn.Module, template: nn.Module, seed: int, device: torch.device) -> None:
     """Initialise ``model`` (parallelized, materialised with ``to_empty``) like a single-process model.
 
     ``template`` is the unparallelized model (or pipeline stage) on the meta device.
     """
-    params = {_clean(n): p for n, p in model.named_parameters(remove_duplicate=False)}
+    params = {clean_fqn(n): p for n, p in model.named_parameters(remove_duplicate=False)}
     for unit in model_units(template):
         part = _unit_template(template, unit).to_empty(device=device)
         generator_seed = seed * 1_000_003 + zlib.crc32(unit.encode())
