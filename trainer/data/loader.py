@@ -403,7 +403,7 @@ def _check_fingerprint(saved: dict, current: dict) -> None:
 def merge_states(states: list[dict]) -> dict:
     """Merge the state_dict() of every data-parallel rank (any order) into one global state.
 
-    Pure Python on JSON-able dicts: the lead all-gathers the per-rank states at save time and stores the
+    Pure Python on JSON-able dicts: the checkpoint manager all-gathers the per-rank states at save time and stores the
     result, which TrainLoader.load_state_dict / load_global_state load with any data-parallel degree.
     """
     states = list(states)
