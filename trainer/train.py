@@ -187,7 +187,7 @@ class Trainer:
             return parts, None
         self.pp_has_first = 0 in stage_ids
         self.pp_has_last = plan.num_stages - 1 in stage_ids
-        schedule, _ = build_schedule(parts, stage_ids, plan.num_stages, self.mesh["pp"], self.device, config,
+        schedule = build_schedule(parts, stage_ids, plan.num_stages, self.mesh["pp"], self.device, config,
                                      self.pipeline_loss)
         logger.info("pipeline: %d stages, this rank holds %s: %s", plan.num_stages, stage_ids,
                     [plan.modules[i] for i in stage_ids])

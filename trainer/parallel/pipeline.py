@@ -130,7 +130,7 @@ def build_stage_model(template: nn.Module, names: list[str]) -> nn.Module:
     return stage
 
 
-def n_microbatches(config: JobConfig, num_stages_total: int, schedule: str) -> int:
+def n_microbatches(config: JobConfig, schedule: str) -> int:
     t, p = config.training, config.parallelism
     if t.local_batch_size % p.pipeline_parallel_microbatch_size:
         raise ConfigError(f"training.local_batch_size ({t.local_batch_size}) must be a multiple of "
@@ -148,7 +148,7 @@ def n_microbatches(config: JobConfig, num_stages_total: int, schedule: str) -> i
 
 def build_schedule(stage_modules: list[nn.Module], stage_ids: list[int], num_stages: int, pp_mesh: DeviceMesh,
                    device: torch.device, config: JobConfig, loss_fn):
-    """PipelineStage objects for this rank's stages and the schedule that drives them."""
+    """The schedule driving this rank's stages."""
     from torch.distributed.pipelining import PipelineStage, schedules
 
     name = schedule_name(config.parallelism.pipeline_parallel_schedule)
@@ -157,10 +157,10 @@ def build_schedule(stage_modules: list[nn.Module], stage_ids: list[int], num_sta
     cls = getattr(schedules, SCHEDULES[name], None)
     if cls is None:
         raise ConfigError(f"schedule {name} is not available in this torch version ({torch.__version__})")
-    n_micro = n_microbatches(config, num_stages, name)
-    if name in SINGLE_STAGE:
-        return cls(stages[0], n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=False), stages
-    return cls(stages, n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=False), stages
+    n_micro = n_microbatches(config, name)
+    # Gradients are already normalised by the loss (tokens of the whole step): no extra scaling.
+    return cls(stages[0] if name in SINGLE_STAGE else stages, n_microbatches=n_micro, loss_fn=loss_fn,
+               scale_grads=False)
 
 
 def bubble_fraction(schedule: str, pp: int, n_micro: int, stages_per_rank: int = 1) -> float:
