@@ -1,0 +1,54 @@
+"""Errors a user can cause, and the exit code each one ends the process with.
+
+A user's mistake (config, data, checkpoint, tokenizer, disk, signal) is raised as one of these and printed
+as one line naming the cause and the fix; anything else is a bug and keeps its traceback. This module
+imports nothing, so every layer can raise these without import cycles.
+
+| code | error |
+| ---- | ----- |
+| 1    | a bug (an unexpected exception; traceback printed) |
+| 2    | ConfigError: a configuration or command-line mistake |
+| 3    | CheckpointError / StopTraining: a checkpoint that cannot be saved or loaded; a guard stopped the run |
+| 4    | DataError: data that cannot be trained on |
+"""
+
+from __future__ import annotations
+
+
+class TrainerError(Exception):
+    """Base of every user-facing error: printed as one line, process exits with ``exit_code``."""
+
+    exit_code = 1
+    label = "error"
+
+
+class ConfigError(TrainerError, ValueError):
+    """A configuration the user must fix; the message names the key and what would be valid."""
+
+    exit_code = 2
+    label = "config error"
+
+
+class CheckpointError(TrainerError, RuntimeError):
+    """A checkpoint could not be saved or loaded and the run must stop."""
+
+    exit_code = 3
+    label = "checkpoint error"
+
+
+class StopTraining(TrainerError):
+    """A stability guard ended the run after logging why (too many consecutive skipped steps, ...)."""
+
+    exit_code = 3
+    label = "stopped"
+
+
+class DataError(TrainerError, RuntimeError):
+    """Data that cannot be trained on (a shard with no usable documents, a file that changed, ...)."""
+
+    exit_code = 4
+    label = "data error"
+
+
+class DataStateError(DataError, ValueError):
+    """A data-loader state that cannot be loaded into this loader (other data, shard count, rank layout)."""
