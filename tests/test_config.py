@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from tests.utils import ROOT
-from trainer.config import ConfigError, check_for_world, load_config, markdown_reference, to_toml
+from trainer.config import ConfigError, load_config, markdown_reference, to_toml, validate
 
 
 def write(tmp_path, text):
@@ -79,14 +79,14 @@ def test_toml_errors(tmp_path):
 def test_world_size_checks():
     c = load_config(["--parallelism.tensor_parallel_degree", "3"], env={})
     with pytest.raises(ConfigError, match="tensor_parallel_degree \\(3\\)"):
-        check_for_world(c, 4)
+        validate(c, 4)
     c = load_config(["--parallelism.data_parallel_shard_degree", "2", "--parallelism.data_parallel_replicate_degree", "3"], env={})
     with pytest.raises(ConfigError, match="multiply to the world size 4"):
-        check_for_world(c, 4)
+        validate(c, 4)
     c = load_config(["--training.global_batch_size", "8"], env={})
     with pytest.raises(ConfigError, match="data-parallel degree \\(3\\)"):
-        check_for_world(c, 3)
-    check_for_world(load_config(["--training.global_batch_size", "16"], env={}), 2)
+        validate(c, 3)
+    validate(load_config(["--training.global_batch_size", "16"], env={}), 2)
 
 
 def test_resolved_config_round_trips(tmp_path):

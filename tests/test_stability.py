@@ -30,6 +30,7 @@ from torchtitan_ext.stability import (
     z_loss,
 )
 from trainer.callbacks import CallbackList
+from trainer.callbacks import RunView
 from trainer.config import ConfigError, JobConfig, LRScheduler, load_config
 from trainer.models.llama import LlamaModelArgs, Transformer
 from trainer.optim import LRSchedule
@@ -42,12 +43,15 @@ def make_config(**stability) -> JobConfig:
     return config
 
 
-def fake_trainer(config: JobConfig | None = None, **kw) -> SimpleNamespace:
-    config = config or JobConfig()
-    t = SimpleNamespace(config=config, dims=SimpleNamespace(dp=1), state=SimpleNamespace(step=0), seed=0,
-                        dp_rank=0, model_args=SimpleNamespace(vocab_size=100), device=torch.device("cpu"))
-    t.__dict__.update(kw)
-    return t
+def fake_trainer(config: JobConfig | None = None, **kw) -> RunView:
+    """The view callbacks get of a one-process run (no model needed by these tests)."""
+    fields = dict(config=config or JobConfig(), model_parts=[], model_args=SimpleNamespace(vocab_size=100),
+                  tokenizer=SimpleNamespace(vocab_size=100), optimizer=None, lr_schedule=None,
+                  state=SimpleNamespace(step=0, resumed_from_step=None), device=torch.device("cpu"),
+                  dims=SimpleNamespace(dp=1), seed=0, dp_rank=0, accum_steps=1, pp_microbatches=None,
+                  global_loss=lambda loss: loss, finish_checkpoints=lambda: None)
+    fields.update(kw)
+    return RunView(**fields)
 
 
 # ------------------------------------------------------------------------------------------------ skip ranges
@@ -175,13 +179,13 @@ def test_consecutive_bad_steps_stop_the_run_naming_the_last_good_checkpoint(tmp_
             commit_marker(tmp_path / "checkpoint" / f"step-{s}", s)
     g = StepGuard(config.stability, config)
     finished = []
-    trainer = fake_trainer(config, checkpointer=SimpleNamespace(finish=lambda: finished.append(True)))
+    trainer = fake_trainer(config, finish_checkpoints=lambda: finished.append(True))
     nan = (float("nan"), 1.0)
     feed(g, [(5.0, 1.0), nan, nan, (5.0, 1.0)], start=11, trainer=trainer)  # a streak of 2 resets
     feed(g, [nan, nan], start=15, trainer=trainer)
     with pytest.raises(StopTraining) as exc:
         feed(g, [nan], start=17, trainer=trainer)
-    assert exc.value.code == 3 and finished == [True]
+    assert exc.value.exit_code == 3 and finished == [True]
     msg = str(exc.value)
     assert "3 consecutive bad steps (steps 15-17" in msg
     assert str(tmp_path / "checkpoint" / "step-10") in msg
@@ -196,9 +200,10 @@ def test_consecutive_bad_steps_stop_the_run_naming_the_last_good_checkpoint(tmp_
 
 def test_guard_config_is_validated():
     with pytest.raises(ConfigError, match="spike_min_history"):
-        guard(spike_min_history=10)
+        load_config(["--stability.spike_guard", "--stability.spike_window", "5", "--stability.spike_min_history", "10"],
+                    env={})
     with pytest.raises(ConfigError, match="max_consecutive_bad_steps"):
-        guard(max_consecutive_bad_steps=-1)
+        load_config(["--stability.max_consecutive_bad_steps", "-1"], env={})
 
 
 def test_guard_state_survives_a_resume_exactly():
@@ -268,9 +273,9 @@ def test_embedding_alpha_schedule_metrics_and_state():
     assert [sched(s) for s in (1, 10, 15, 20, 30)] == pytest.approx([1.0, 1.0, 0.55, 0.1, 0.1])
     assert AlphaSchedule(0.1)(1) == 0.1
     with pytest.raises(ConfigError, match="embedding_grad_alpha_steps"):
-        AlphaSchedule(0.1, steps=[5])
+        load_config(["--stability.embedding_grad_alpha_steps", "5"], env={})
     with pytest.raises(ConfigError, match="embedding_grad_alpha "):
-        AlphaSchedule(1.5)
+        load_config(["--stability.embedding_grad_alpha", "1.5"], env={})
     cb = EmbeddingGradShrink(sched)
     cb.on_batches(None, 15, [])
     assert cb.metrics(None, 15) == {"embedding_grad_alpha": pytest.approx(0.55)}
@@ -374,16 +379,16 @@ def test_lr_rewarmup_after_load_and_resume_time_schedule_changes():
     schedule = LRSchedule(cfg, base_lr=1.0, total_steps=1000)
     trainer = fake_trainer(lr_schedule=schedule, state=SimpleNamespace(step=500, resumed_from_step=500))
     cb = LRRewarmup(100)
-    cb.on_batches(trainer, 501, [])
+    cb.on_checkpoint_loaded(trainer, 500)
     plain = LRSchedule(cfg, base_lr=1.0, total_steps=1000)
     assert schedule.lr(501) == pytest.approx(plain.lr(501) / 100)
     assert schedule.lr(550) == pytest.approx(plain.lr(550) * 0.5)
     assert schedule.lr(600) == pytest.approx(plain.lr(600))
-    # No checkpoint loaded (attribute None or missing): nothing changes.
-    for state in (SimpleNamespace(step=0, resumed_from_step=None), SimpleNamespace(step=0)):
-        s = LRSchedule(cfg, 1.0, 1000)
-        LRRewarmup(100).on_batches(fake_trainer(lr_schedule=s, state=state), 1, [])
-        assert s.rewarmup_from is None
+    # No checkpoint loaded (the hook is not called) or re-warm-up off: nothing changes.
+    s = LRSchedule(cfg, 1.0, 1000)
+    LRRewarmup(100).on_batches(fake_trainer(lr_schedule=s), 1, [])
+    LRRewarmup(0).on_checkpoint_loaded(fake_trainer(lr_schedule=s), 500)
+    assert s.rewarmup_from is None
     # The schedule is a pure function of (step, config): a resumed run with new lr/warmup/min_lr_factor
     # gets exactly the new schedule's values from its first step.
     new = LRSchedule(LRScheduler(warmup_steps=20, decay_type="linear", min_lr_factor=0.3), 0.5, 1000)

@@ -1,11 +1,19 @@
-"""Capabilities beyond the torchtitan baseline, each attached to the loop through one narrow hook
-(see trainer/callbacks.py)."""
+"""Capabilities beyond the torchtitan baseline. The core reaches them only through ``register``, which
+trainer/extensions.py calls: a config section, its rules, the callbacks a run needs, and the ``trainer``
+subcommands. Registration imports nothing heavy; the callbacks and commands load on first use."""
 
 from __future__ import annotations
 
 
-def build_extensions(config) -> list:
-    """The callbacks a config enables."""
-    from torchtitan_ext.stability import build_stability_callbacks
+def register(registry) -> None:
+    from torchtitan_ext.stability.config import Stability
 
-    return build_stability_callbacks(config)
+    registry.add_section("stability", Stability,
+                         "Skipping steps, spike and NaN guards, embedding-gradient shrink (see docs/stability.md).")
+    registry.add_rule("torchtitan_ext.stability.config:check_config")
+    registry.add_callbacks("torchtitan_ext.stability:build_stability_callbacks")
+    registry.add_command("export", "torchtitan_ext.hf", "export a checkpoint to a Hugging Face Llama folder (safetensors)")
+    registry.add_command("eval", "torchtitan_ext.lm_eval_model", "score a checkpoint or exported folder with lm-eval")
+    registry.add_command("generate", "torchtitan_ext.generate", "sample text from a checkpoint")
+    registry.add_command("compare", "torchtitan_ext.compare",
+                         "compare loss curves of runs and reference CSVs (table + PNG)")

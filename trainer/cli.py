@@ -7,25 +7,26 @@ one process.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 
-# name -> (module with main(argv) -> int, one-line description)
+from trainer import extensions
+
+# The core's commands: name -> (module with main(argv) -> int, one-line description). Extensions add theirs
+# through the registry (trainer/extensions.py).
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("trainer.train", "train in this process (use ./run_train.sh for torchrun and several processes)"),
     "config": ("trainer.config", "print the resolved config as TOML (--markdown: the config reference)"),
     "data": ("trainer.data.cli", "audit a config's data, or tokenize a corpus into token files (prepare)"),
     "checkpoint": ("trainer.checkpoint", "list or inspect checkpoints"),
-    "export": ("torchtitan_ext.hf", "export a checkpoint to a Hugging Face Llama folder (safetensors)"),
-    "eval": ("torchtitan_ext.lm_eval_model", "score a checkpoint or exported folder with lm-eval"),
-    "generate": ("torchtitan_ext.generate", "sample text from a checkpoint"),
-    "compare": ("torchtitan_ext.compare", "compare loss curves of runs and reference CSVs (table + PNG)"),
     "plan": ("trainer.plan", "parameters, FLOPs and memory per GPU for a config and GPU count"),
     "bench": ("trainer.bench", "benchmarks: framework overhead, data loader, checkpoint, GPU"),
 }
 
 
 def available() -> dict[str, tuple[str, str]]:
-    return {name: spec for name, spec in COMMANDS.items() if importlib.util.find_spec(spec[0]) is not None}
+    commands = {**COMMANDS, **extensions.registry().commands}
+    return {name: spec for name, spec in commands.items() if importlib.util.find_spec(spec[0]) is not None}
 
 
 def usage() -> str:

@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerAction, record_function
 
-from trainer.config import ConfigError
 
 logger = logging.getLogger("trainer")
 
@@ -44,24 +43,6 @@ WATCHDOG_EXIT_CODE = 124  # like timeout(1): the run was stopped because it made
 WATCHDOG_FOLDER = "watchdog"  # <dump_folder>/watchdog/rank<r>_stacks.txt
 MEMORY_HISTORY_MAX_ENTRIES = 100_000  # allocation events kept for memory snapshots (as torchtitan)
 MEMORY_VIZ = "https://pytorch.org/memory_viz"
-
-
-def check_config(config) -> None:
-    """The profiling and watchdog settings that only make sense together."""
-    p, c, d = config.profiling, config.comm, config.debug
-    if p.profiler_active < 1:
-        raise ConfigError(f"profiling.profiler_active must be >= 1, got {p.profiler_active}")
-    if p.profiler_warmup < 0:
-        raise ConfigError(f"profiling.profiler_warmup must be >= 0, got {p.profiler_warmup}")
-    if p.enable_profiling and p.profiler_warmup + p.profiler_active > p.profile_freq:
-        raise ConfigError(
-            f"profiling.profiler_warmup ({p.profiler_warmup}) + profiler_active ({p.profiler_active}) must not "
-            f"exceed profiling.profile_freq ({p.profile_freq})"
-        )
-    if c.watchdog_timeout_seconds < 0:
-        raise ConfigError(f"comm.watchdog_timeout_seconds must be >= 0 (0 disables), got {c.watchdog_timeout_seconds}")
-    if d.stall_at_step < 0 or d.stall_seconds < 0:
-        raise ConfigError("debug.stall_at_step and debug.stall_seconds must be >= 0")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -590,7 +571,6 @@ class Observability:
     def __init__(self, trainer):
         self.trainer = trainer
         config = self.config = trainer.config
-        check_config(config)
         self.rank = getattr(trainer, "rank", 0)
         self.world_size = getattr(trainer, "world_size", 1)
         self.is_logging_rank = getattr(trainer, "is_logging_rank", self.rank == 0)

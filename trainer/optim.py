@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import math
 
 import torch
 
-from trainer.config import LRScheduler, Optimizer
+if TYPE_CHECKING:
+    from trainer.config.sections import LRScheduler, Optimizer
 
 
 def build_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: Optimizer) -> torch.optim.Optimizer:

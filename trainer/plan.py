@@ -69,7 +69,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.config import ConfigError, JobConfig, load_config, resolve_degrees
+from trainer.config import ConfigError, JobConfig, load_config
+from trainer.parallel.dims import resolve_degrees
 
 logger = logging.getLogger("trainer")
 

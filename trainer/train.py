@@ -27,10 +27,12 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 
 from trainer import logs, observability
-from trainer.callbacks import CallbackList, build_callbacks
-from trainer.checkpoint import CheckpointError, CheckpointManager, TrainState
-from trainer.config import ConfigError, JobConfig, grad_accum_steps, help_text, load_config, to_toml
+from trainer.callbacks import CallbackList, RunView, build_callbacks
+from trainer.checkpoint import CheckpointManager, TrainState
+from trainer.config import JobConfig, help_text, load_config, to_toml, validate
+from trainer.errors import ConfigError, TrainerError
 from trainer.data import build_train_loader, build_val_loader
+from trainer.data.loader import grad_accum_steps
 from trainer.fingerprint import sequence_fingerprint, wrap_int64
 from trainer.metrics import MetricsWriter, Throughput, console_line, format_eta, memory_gib, peak_tflops, use_color
 from trainer.models.llama import Transformer, flops_per_token, get_llama_args, model_num_params
@@ -128,7 +130,6 @@ class Trainer:
         self.model_parts, self.pp_schedule = self.build_model_parts(template)
         # Without pipelining the whole model is one part; with it, self.model is None.
         self.model = self.model_parts[0] if self.pp_schedule is None else None
-        self.callbacks.on_model_built(self)
         if config.model.print_after_conversion:
             logger.info("model after conversion and parallelization:\n%s", self.model_parts)
 
@@ -147,8 +148,12 @@ class Trainer:
 
         # State that checkpoints carry, then resume if the dump folder has a checkpoint.
         self.state = TrainState()
+        self.run_view = self.build_run_view()
+        self.callbacks.on_model_built(self.run_view)
         self.checkpointer = CheckpointManager(config, self)
         self.checkpointer.load()
+        if self.state.resumed_from_step is not None:
+            self.callbacks.on_checkpoint_loaded(self.run_view, self.state.resumed_from_step)
 
         # Metrics.
         self.metrics = MetricsWriter(
@@ -163,6 +168,16 @@ class Trainer:
             config.model.name, config.model.flavor, f"{self.num_params:,}", f"{self.flops_per_token:,}",
             config.training.seq_len, self.dims.describe(), self.accum_steps, config.training.local_batch_size,
             config.training.seq_len,
+        )
+
+    def build_run_view(self) -> RunView:
+        """What callbacks see of this run (see trainer/callbacks.py)."""
+        return RunView(
+            config=self.config, model_parts=self.model_parts, model_args=self.model_args, tokenizer=self.tokenizer,
+            optimizer=self.optimizer, lr_schedule=self.lr_schedule, state=self.state, device=self.device,
+            dims=self.dims, seed=self.seed, dp_rank=self.dp_rank, accum_steps=self.accum_steps,
+            pp_microbatches=getattr(self.pp_schedule, "_n_microbatches", None), global_loss=self.global_loss,
+            finish_checkpoints=lambda: self.checkpointer.finish(),
         )
 
     def build_model_parts(self, template: torch.nn.Module):
@@ -225,7 +240,7 @@ class Trainer:
         """Loss of one pipeline micro-batch, normalised by the rank's tokens in the whole step. (Runs
         inside the schedule, which forward_backward wraps in the loss-parallel context.)"""
         loss = self.loss_fn(logits, labels) / self._tokens_per_rank
-        return self.callbacks.extra_loss(self, logits, loss, self._tokens_per_rank)
+        return self.callbacks.extra_loss(self.run_view, logits, loss, self._tokens_per_rank)
 
     def forward_backward(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Accumulate gradients over the micro-batches; returns this rank's mean token loss (detached).
@@ -254,7 +269,7 @@ class Trainer:
             with self.loss_parallel():
                 with record_function("loss"):
                     loss = self.loss_fn(logits, labels) / tokens_per_rank
-                    loss = self.callbacks.extra_loss(self, logits, loss, tokens_per_rank)
+                    loss = self.callbacks.extra_loss(self.run_view, logits, loss, tokens_per_rank)
                 with record_function("backward"):
                     loss.backward()
             total += plain(loss.detach())
@@ -278,11 +293,11 @@ class Trainer:
 
     def train_step(self, step: int) -> dict:
         batches = self.next_micro_batches()
-        batches = self.callbacks.on_batches(self, step, batches)
+        batches = self.callbacks.on_batches(self.run_view, step, batches)
         fingerprint = wrap_int64(sum(sequence_fingerprint(b["input"], b["labels"]) for b in batches))
         lr = self.lr_schedule.apply(self.optimizer, step)
         torch.manual_seed(self.seed + step)
-        reason = self.callbacks.skip_before_forward(self, step)
+        reason = self.callbacks.skip_before_forward(self.run_view, step)
         if reason is not None:  # known in advance (e.g. stability.skip_steps): data drawn, nothing computed
             skip = True
             loss = grad_norm = torch.full((), float("nan"), device=self.device)
@@ -290,7 +305,7 @@ class Trainer:
             loss = self.forward_backward(batches)
             with record_function("optimizer"):
                 grad_norm = self.clip_grad_norm()
-                skip, reason = self.callbacks.should_skip(self, step, loss, grad_norm)
+                skip, reason = self.callbacks.should_skip(self.run_view, step, loss, grad_norm)
                 if not skip:
                     self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
@@ -350,7 +365,7 @@ class Trainer:
         record.update(health)
         if out.get("skip_reason"):
             record["skip_reason"] = out["skip_reason"]
-        record.update(self.callbacks.metrics(self, step))
+        record.update(self.callbacks.metrics(self.run_view, step))
         record.update(self.checkpointer.metrics())
         if self.val_loader is not None and step % self.config.validation.freq == 0:
             record["validation_loss"] = self.validate()
@@ -430,6 +445,7 @@ class Trainer:
         start_step = self.state.step
         if start_step >= config.training.steps:
             logger.info("checkpoint is already at step %d of %d: nothing to train", start_step, config.training.steps)
+        self.callbacks.on_train_start(self.run_view)
         self.throughput.reset()
         # Profiler, memory snapshots, hang watchdog; the run summary (summary.json) at the end or on failure.
         with observability.Observability(self) as obs:
@@ -598,6 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = None
     try:
         config = load_config(argv)
+        validate(config, int(os.environ.get("WORLD_SIZE", 1)))
         if config.job.print_config:
             print(to_toml(config))
             return 0
@@ -608,12 +625,9 @@ def main(argv: list[str] | None = None) -> int:
         if trainer.checkpointer.seed_created:
             return 0  # checkpoint.create_seed_checkpoint: step-0 saved, nothing to train
         trainer.train()
-    except ConfigError as e:
-        logger.error("config error: %s", e)
-        return 2
-    except CheckpointError as e:
-        logger.error("checkpoint error: %s", e)
-        return 3
+    except TrainerError as e:
+        logger.error("%s: %s", e.label, e)
+        return e.exit_code
     except Exception as e:
         note = collective_failure_note(e, trainer)
         if note is not None:

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import importlib
 
-# Submodules are imported on first use: trainer.config imports this package (for the [stability] section)
-# and must stay light (no torch import for --help or config checks).
+# Submodules are imported on first use: the registry imports this package's config (for the [stability]
+# section and its rules), which must stay light (no torch import for --help or config checks).
 _EXPORTS = {
     "Stability": "config",
     "AlphaSchedule": "embedding", "EmbeddingGradShrink": "embedding", "shrink_embedding_grad": "embedding",
     "FaultInjection": "faults", "random_tokens_like": "faults",
     "RollingWindow": "guard", "StepGuard": "guard", "StopTraining": "guard", "stop_message": "guard",
     "LRRewarmup": "rewarmup",
-    "SkipRanges": "skip", "normalize_ranges": "skip",
+    "SkipRanges": "skip", "normalize_ranges": "config", "check_config": "config",
     "ZLoss": "zloss", "logsumexp_last_dim": "zloss", "z_loss": "zloss",
 }
 __all__ = [*_EXPORTS, "build_stability_callbacks"]
@@ -41,10 +41,6 @@ def build_stability_callbacks(config) -> list:
     from torchtitan_ext.stability.zloss import ZLoss
 
     s = config.stability
-    if config.training.z_loss_weight < 0:
-        from trainer.config import ConfigError
-
-        raise ConfigError(f"training.z_loss_weight must be >= 0, got {config.training.z_loss_weight}")
     return [
         FaultInjection(config.debug.inject_bad_data_steps, config.debug.inject_nonfinite_loss_steps),
         LRRewarmup(s.lr_rewarmup_steps_after_load),

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from trainer.errors import ConfigError
+
 
 @dataclass
 class Stability:
@@ -48,3 +50,50 @@ class Stability:
     lr_rewarmup_steps_after_load: int = 0
     """After resuming from a checkpoint, scale the learning rate up linearly from 0 over this many steps
     (GLM-130B's remedy after a restart); 0 disables."""
+
+
+def normalize_ranges(ranges: list[list[int]], key: str = "stability.skip_steps") -> list[tuple[int, int]]:
+    """Validate inclusive [first, last] ranges; returns them sorted and merged."""
+    out = []
+    for i, r in enumerate(ranges):
+        if len(r) == 1:
+            r = [r[0], r[0]]
+        if len(r) != 2:
+            raise ConfigError(f"{key}[{i}]: expected [first, last], got {r!r}")
+        lo, hi = int(r[0]), int(r[1])
+        if lo < 1 or hi < lo:
+            raise ConfigError(f"{key}[{i}]: need 1 <= first <= last, got [{lo}, {hi}]")
+        out.append((lo, hi))
+    out.sort()
+    merged: list[tuple[int, int]] = []
+    for lo, hi in out:
+        if merged and lo <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def check_config(config, world_size: int | None = None) -> None:
+    """The [stability] rules (registered with the core's config validation)."""
+    s = config.stability
+    normalize_ranges(s.skip_steps)
+    if s.spike_guard:
+        if s.spike_window < 2:
+            raise ConfigError(f"stability.spike_window must be >= 2, got {s.spike_window}")
+        if not 2 <= s.spike_min_history <= s.spike_window:
+            raise ConfigError(f"stability.spike_min_history must be in [2, spike_window={s.spike_window}], "
+                              f"got {s.spike_min_history}")
+        if s.spike_sigma <= 0:
+            raise ConfigError(f"stability.spike_sigma must be > 0, got {s.spike_sigma}")
+    if s.max_consecutive_bad_steps < 0:
+        raise ConfigError(f"stability.max_consecutive_bad_steps must be >= 0, got {s.max_consecutive_bad_steps}")
+    for key in ("embedding_grad_alpha", "embedding_grad_alpha_start"):
+        if not 0.0 <= getattr(s, key) <= 1.0:
+            raise ConfigError(f"stability.{key} must be in [0, 1], got {getattr(s, key)}")
+    steps = s.embedding_grad_alpha_steps
+    if steps and (len(steps) != 2 or steps[0] < 0 or steps[1] < steps[0]):
+        raise ConfigError(f"stability.embedding_grad_alpha_steps must be [] or [first, last] with "
+                          f"0 <= first <= last, got {steps}")
+    if s.lr_rewarmup_steps_after_load < 0:
+        raise ConfigError(f"stability.lr_rewarmup_steps_after_load must be >= 0, got {s.lr_rewarmup_steps_after_load}")

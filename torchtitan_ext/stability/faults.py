@@ -45,23 +45,20 @@ class FaultInjection(Callback):
     def enabled(self) -> bool:
         return bool(self.bad_data_steps or self.nonfinite_steps)
 
-    def on_batches(self, trainer, step: int, batches: list[dict]) -> list[dict]:
+    def on_batches(self, run, step: int, batches: list[dict]) -> list[dict]:
         self._nonfinite_now = step in self.nonfinite_steps
         if self._nonfinite_now:
             logger.warning("fault drill: forcing a non-finite loss at step %d", step)
         if step not in self.bad_data_steps:
             return batches
         logger.warning("fault drill: replacing the batch of step %d with random tokens", step)
-        vocab = trainer.model_args.vocab_size if getattr(trainer, "model_args", None) else trainer.tokenizer.vocab_size
-        vocab = min(vocab, getattr(getattr(trainer, "tokenizer", None), "vocab_size", vocab))
-        seed = getattr(trainer, "seed", 0)
-        dp_rank = getattr(trainer, "dp_rank", 0)
-        return [random_tokens_like(b, vocab, drill_seed(seed, step, dp_rank, i)) for i, b in enumerate(batches)]
+        vocab = min(run.model_args.vocab_size, run.tokenizer.vocab_size)
+        return [random_tokens_like(b, vocab, drill_seed(run.seed, step, run.dp_rank, i)) for i, b in enumerate(batches)]
 
-    def extra_loss(self, trainer, logits: torch.Tensor, loss: torch.Tensor, tokens: int) -> torch.Tensor:
+    def extra_loss(self, run, logits: torch.Tensor, loss: torch.Tensor, tokens: int) -> torch.Tensor:
         return loss * float("nan") if self._nonfinite_now else loss
 
-    def metrics(self, trainer, step: int) -> dict[str, Any]:
+    def metrics(self, run, step: int) -> dict[str, Any]:
         out = {}
         if step in self.bad_data_steps:
             out["injected_bad_data"] = True

@@ -11,29 +11,17 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from trainer.callbacks import Callback
+from trainer.errors import StopTraining
 
 logger = logging.getLogger("trainer")
 
 OK, NONFINITE, SPIKE = 0, 1, 2
-
-
-class StopTraining(SystemExit):
-    """Ends the run with a non-zero exit status (3) after the message has been logged."""
-
-    def __init__(self, message: str):
-        super().__init__(3)
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
 
 
 class RollingWindow:
@@ -92,7 +80,7 @@ class RollingWindow:
         return slots if len(slots) < self.size else [slots[(pos + i) % self.size] for i in range(self.size)]
 
 
-def global_mean_loss(trainer, loss: torch.Tensor) -> torch.Tensor:
+def global_mean_loss(run, loss: torch.Tensor) -> torch.Tensor:
     """The step's loss over all ranks (summed over pipeline stages, averaged over data-parallel ranks), so
     that every rank makes the same decision. A collective: every rank calls it."""
     from torch.distributed.tensor import DTensor
@@ -100,35 +88,14 @@ def global_mean_loss(trainer, loss: torch.Tensor) -> torch.Tensor:
     loss = loss.detach()
     if isinstance(loss, DTensor):
         loss = loss.full_tensor()
-    loss = loss.float().reshape(())
-    reduce = getattr(trainer, "global_loss", None)
-    if reduce is not None:
-        return reduce(loss)
-    dims = getattr(trainer, "dims", None)
-    if dims is not None and dims.dp > 1:
-        loss = loss.clone()
-        dist.all_reduce(loss, group=dims.dp_mesh.get_group())
-        loss = loss / dims.dp
-    return loss
+    return run.global_loss(loss.float().reshape(()))
 
 
 def find_checkpoints(folder: Path) -> list[int]:
-    """Steps of the complete ``step-N`` checkpoints in ``folder``, ascending (the checkpoint manager's own
-    validation where available: commit marker present, files whole)."""
-    folder = Path(folder)
-    try:
-        from trainer.checkpoint import scan_folder
-    except ImportError:
-        scan_folder = None
-    if scan_folder is not None:
-        try:
-            return sorted(c.step for c in scan_folder(folder) if c.complete)
-        except Exception as e:  # noqa: BLE001 - fall back to the folder names
-            logger.debug("scan_folder(%s) failed: %s", folder, e)
-    if not folder.is_dir():
-        return []
-    return sorted(int(m.group(1)) for p in folder.iterdir()
-                  if (m := re.fullmatch(r"step-(\d+)", p.name)) and p.is_dir())
+    """Steps of the complete checkpoints in ``folder``, ascending (the checkpoint layout's own scanner)."""
+    from trainer.checkpoint import scan_folder
+
+    return sorted(c.step for c in scan_folder(Path(folder)) if c.complete)
 
 
 def stop_message(config, first_bad: int, last_bad: int, last_reason: str) -> str:
@@ -163,8 +130,6 @@ class StepGuard(Callback):
     name = "step_guard"
 
     def __init__(self, cfg, config=None):
-        from trainer.config import ConfigError
-
         self.config = config
         self.nonfinite = cfg.nonfinite_guard
         self.spike = cfg.spike_guard
@@ -173,16 +138,6 @@ class StepGuard(Callback):
         self.min_history = cfg.spike_min_history
         self.spike_metric = cfg.spike_metric
         self.max_bad = cfg.max_consecutive_bad_steps
-        if self.spike:
-            if self.window_size < 2:
-                raise ConfigError(f"stability.spike_window must be >= 2, got {self.window_size}")
-            if not 2 <= self.min_history <= self.window_size:
-                raise ConfigError(f"stability.spike_min_history must be in [2, spike_window={self.window_size}], "
-                                  f"got {self.min_history}")
-            if self.sigma <= 0:
-                raise ConfigError(f"stability.spike_sigma must be > 0, got {self.sigma}")
-        if self.max_bad < 0:
-            raise ConfigError(f"stability.max_consecutive_bad_steps must be >= 0, got {self.max_bad}")
         self.window: RollingWindow | None = None
         self._mask: torch.Tensor | None = None
         self._loaded_window: dict[str, Any] = {}
@@ -243,10 +198,10 @@ class StepGuard(Callback):
         host = torch.cat([code.to(vals.dtype).view(1), vals, thr, count]).tolist()  # the one sync per step
         return host
 
-    def should_skip(self, trainer, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> str | None:
+    def should_skip(self, run, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> str | None:
         if not self.enabled:
             return None
-        code, lv, gv, lt, gt, count = self.decide(global_mean_loss(trainer, loss), grad_norm)
+        code, lv, gv, lt, gt, count = self.decide(global_mean_loss(run, loss), grad_norm)
         code = int(code)
         self._last = {"loss_threshold": lt, "grad_norm_threshold": gt, "window": int(count)}
         if code == OK:
@@ -270,19 +225,15 @@ class StepGuard(Callback):
                       f"loss {lv:.6g}, grad_norm {gv:.6g})")
         logger.warning("step %d: skipping the optimizer update: %s", step, reason)
         if self.max_bad and self.consecutive_bad >= self.max_bad:
-            finish = getattr(getattr(trainer, "checkpointer", None), "finish", None)
-            if finish is not None:
-                try:  # let an in-flight asynchronous save commit first, so that it can be named
-                    finish()
-                except Exception as e:  # noqa: BLE001 - stopping anyway
-                    logger.warning("checkpointer.finish() failed while stopping: %s", e)
-            config = self.config if self.config is not None else trainer.config
-            message = stop_message(config, self.streak_start, step, reason)
-            logger.error(message)
-            raise StopTraining(message)
+            try:  # let an in-flight asynchronous save commit first, so that it can be named
+                run.finish_checkpoints()
+            except Exception as e:  # noqa: BLE001 - stopping anyway
+                logger.warning("finishing the checkpoint in flight failed while stopping: %s", e)
+            config = self.config if self.config is not None else run.config
+            raise StopTraining(stop_message(config, self.streak_start, step, reason))
         return reason
 
-    def metrics(self, trainer, step: int) -> dict[str, Any]:
+    def metrics(self, run, step: int) -> dict[str, Any]:
         if not self.enabled:
             return {}
         out: dict[str, Any] = {

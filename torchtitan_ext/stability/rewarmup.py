@@ -7,7 +7,7 @@ be changed on the command line when resuming; this adds GLM-130B's linear re-war
 from __future__ import annotations
 
 import logging
-from typing import Any
+
 
 from trainer.callbacks import Callback
 
@@ -15,33 +15,17 @@ logger = logging.getLogger("trainer")
 
 
 class LRRewarmup(Callback):
-    """On the first step of a run, if a checkpoint was loaded (``trainer.state.resumed_from_step`` is an
-    int), sets ``trainer.lr_schedule.rewarmup_from``/``rewarmup_steps``. The checkpoint is loaded after the
-    model is built, so this happens at the first step rather than in ``on_model_built``."""
+    """After a checkpoint is loaded to resume the run, sets the LR schedule's ``rewarmup_from`` /
+    ``rewarmup_steps`` so the learning rate climbs from 0 again (GLM-130B's remedy after a restart)."""
 
     name = "lr_rewarmup"
 
     def __init__(self, steps: int):
-        from trainer.config import ConfigError
-
-        if steps < 0:
-            raise ConfigError(f"stability.lr_rewarmup_steps_after_load must be >= 0, got {steps}")
         self.steps = steps
-        self._checked = False
 
-    def on_batches(self, trainer, step: int, batches: list[dict]) -> list[dict]:
-        if not self._checked:
-            self._checked = True
-            self.apply(trainer)
-        return batches
-
-    def apply(self, trainer) -> None:
-        resumed = getattr(trainer.state, "resumed_from_step", None)
-        if self.steps > 0 and resumed is not None:
-            trainer.lr_schedule.rewarmup_from = int(resumed)
-            trainer.lr_schedule.rewarmup_steps = self.steps
+    def on_checkpoint_loaded(self, run, step: int) -> None:
+        if self.steps > 0:
+            run.lr_schedule.rewarmup_from = int(step)
+            run.lr_schedule.rewarmup_steps = self.steps
             logger.info("stability: re-warming the learning rate over steps %d-%d after resuming from step %d",
-                        resumed + 1, resumed + self.steps, resumed)
-
-    def metrics(self, trainer, step: int) -> dict[str, Any]:
-        return {}
+                        step + 1, step + self.steps, step)

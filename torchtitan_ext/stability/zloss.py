@@ -73,11 +73,11 @@ class ZLoss(Callback):
         self.weight = weight
         self._values: list[torch.Tensor] = []  # this step's z-loss per loss call (detached)
 
-    def on_batches(self, trainer, step: int, batches: list[dict]) -> list[dict]:
+    def on_batches(self, run, step: int, batches: list[dict]) -> list[dict]:
         self._values = []
         return batches
 
-    def extra_loss(self, trainer, logits: torch.Tensor, loss: torch.Tensor, tokens: int) -> torch.Tensor:
+    def extra_loss(self, run, logits: torch.Tensor, loss: torch.Tensor, tokens: int) -> torch.Tensor:
         if self.weight <= 0:
             return loss
         z = z_loss(logits, self.weight, tokens)
@@ -90,27 +90,21 @@ class ZLoss(Callback):
                 z = z.redistribute(loss.device_mesh, loss.placements)
         return loss + z
 
-    def step_total(self, trainer) -> torch.Tensor | None:
+    def step_total(self, run) -> torch.Tensor | None:
         """This rank's z-loss for the step. Under pipelining, torch's schedule calls the loss function once
         more on its first step, on placeholder activations, to infer gradient shapes; only the last
         ``accum_steps x n_microbatches`` calls are real micro-batches."""
         values = self._values
-        schedule = getattr(trainer, "pp_schedule", None)
-        n_micro = getattr(schedule, "_n_microbatches", None) if schedule is not None else None
-        if n_micro:
-            values = values[-n_micro * getattr(trainer, "accum_steps", 1):]
+        if run.pp_microbatches:
+            values = values[-run.pp_microbatches * run.accum_steps:]
         return torch.stack([v.float().reshape(()) for v in values]).sum() if values else None
 
-    def metrics(self, trainer, step: int) -> dict[str, Any]:
+    def metrics(self, run, step: int) -> dict[str, Any]:
         if self.weight <= 0:
             return {}
         # Every rank takes part (a collective): pipeline stages without the output contribute 0.
-        total = self.step_total(trainer)
-        device = getattr(trainer, "device", None) or "cpu"
-        z = total if total is not None else torch.zeros((), device=device)
-        reduce = getattr(trainer, "global_loss", None)
-        if reduce is not None:
-            z = reduce(z)
+        total = self.step_total(run)
+        z = run.global_loss(total if total is not None else torch.zeros((), device=run.device))
         value = z.item()
         # z-loss is positive whenever it was computed: 0 means no forward ran (a step skipped in advance).
         return {"z_loss": value if value != 0.0 else float("nan")}

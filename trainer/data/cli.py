@@ -83,7 +83,7 @@ def _audit(args, config, tokenizer) -> int:
 
 
 def _prepare(args, config, tokenizer) -> int:
-    from trainer.config import ConfigError
+    from trainer.errors import ConfigError
     from trainer.data.prepare import prepare
     from trainer.data.sources import training_specs
 

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from trainer.errors import ConfigError, DataStateError
 from trainer.data.pipeline import STAT_KEYS, DataPlan, ShardStream, Window
 from trainer.data.sources import (
     DataError, SourceOptions, SourceSpec, build_source, training_specs, validation_spec,
@@ -46,16 +47,6 @@ logger = logging.getLogger(__name__)
 STATE_FORMAT = "trainer.data/1"
 _STATE_KEY = "trainer_data_state"
 _PROBE = "The quick brown fox jumps over the lazy dog. 0123 àéîõü 日本語\n\tend."
-
-
-class DataStateError(ValueError):
-    """A data-loader state that cannot be loaded into this loader (other data, shard count, rank layout)."""
-
-
-def _config_error(msg: str) -> Exception:
-    from trainer.config import ConfigError  # lazy: trainer.config imports trainer.data.config
-
-    return ConfigError(msg)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -76,22 +67,21 @@ def data_seed(config) -> int:
     return int(config.debug.seed) if config.debug.seed is not None else 0
 
 
-def _check_data_section(d) -> None:
+def check_data_section(d) -> None:
     for key, minimum in (("num_shards", 1), ("num_workers", 0), ("prefetch_factor", 1), ("shuffle_window", 1),
                          ("max_document_tokens", 0), ("long_document_windows", 1)):
         value = getattr(d, key)
         if value < minimum:
-            raise _config_error(f"data.{key} must be >= {minimum}, got {value}")
+            raise ConfigError(f"data.{key} must be >= {minimum}, got {value}")
 
 
 def build_plan(config, tokenizer, specs: list[SourceSpec], weights: list[float], *, num_shards: int,
                shuffle: bool, max_epochs: int | None) -> DataPlan:
     """Resolve sources (start-up errors for missing files happen here) and the packing settings."""
     d = config.data
-    _check_data_section(d)
     sep_id = tokenizer.bos_id if d.separator == "bos" else tokenizer.eos_id
     if sep_id is None:
-        raise _config_error(f"data.separator: the tokenizer has no {d.separator.upper()} token; choose the other one")
+        raise ConfigError(f"data.separator: the tokenizer has no {d.separator.upper()} token; choose the other one")
     seed = data_seed(config)
     fingerprint = tokenizer_fingerprint(tokenizer) if any(s.kind == "tokens" for s in specs) else {}
     opts = SourceOptions(text_field=d.text_field, text_document=d.text_document, seed=seed, shuffle=shuffle,
@@ -99,7 +89,7 @@ def build_plan(config, tokenizer, specs: list[SourceSpec], weights: list[float],
     sources = [build_source(spec, i, opts) for i, spec in enumerate(specs)]
     for src in sources:
         if src.partition == "modulo" and len(src.units) < num_shards:
-            raise _config_error(
+            raise ConfigError(
                 f"{src.spec.key}: {len(src.units)} files, one document each (data.text_document = file), cannot "
                 f"feed data.num_shards = {num_shards} shards; lower data.num_shards or use more files"
             )
@@ -107,7 +97,7 @@ def build_plan(config, tokenizer, specs: list[SourceSpec], weights: list[float],
         if src.check_cost() * num_shards <= 100_000:
             empty = [j for j in range(num_shards) if src.shard_is_empty(j, num_shards)]
             if empty:
-                raise _config_error(
+                raise ConfigError(
                     f"{src.spec.key}: {src.label} is too small for data.num_shards = {num_shards}: {len(empty)} "
                     f"shard(s) would hold no document (e.g. shard {empty[0]}); lower data.num_shards"
                 )
@@ -121,22 +111,24 @@ def build_plan(config, tokenizer, specs: list[SourceSpec], weights: list[float],
     )
 
 
-def batch_geometry(config, dp_world_size: int) -> tuple[int, int, int]:
-    """(local batch B, global batch G, micro-batches per step A) with ConfigErrors naming the keys."""
+def grad_accum_steps(config, dp: int) -> int:
+    """Micro-batches per optimizer step so that training.global_batch_size is honoured."""
     t = config.training
-    b = int(t.local_batch_size)
-    g = int(t.global_batch_size) if t.global_batch_size != -1 else b * dp_world_size
-    if b < 1 or g < 1 or g % (b * dp_world_size):
-        raise _config_error(
-            f"training.global_batch_size ({g}) must be a multiple of training.local_batch_size ({b}) x the "
-            f"data-parallel degree ({dp_world_size})"
+    per_pass = t.local_batch_size * dp
+    global_batch = per_pass if t.global_batch_size == -1 else t.global_batch_size
+    if global_batch % per_pass:
+        raise ConfigError(
+            f"training.global_batch_size ({global_batch}) must be a multiple of training.local_batch_size "
+            f"({t.local_batch_size}) x data-parallel degree ({dp}) = {per_pass}"
         )
-    if config.data.num_shards % dp_world_size:
-        raise _config_error(
-            f"data.num_shards ({config.data.num_shards}) must be divisible by the data-parallel degree "
-            f"({dp_world_size})"
-        )
-    return b, g, g // (b * dp_world_size)
+    return global_batch // per_pass
+
+
+def batch_geometry(config, dp_world_size: int) -> tuple[int, int, int]:
+    """(local batch B, global batch G, micro-batches per step A)."""
+    accum = grad_accum_steps(config, dp_world_size)
+    b = int(config.training.local_batch_size)
+    return b, b * dp_world_size * accum, accum
 
 
 # --------------------------------------------------------------------------------------------------
@@ -527,6 +519,6 @@ def build_val_loader(config, tokenizer, *, dp_rank: int, dp_world_size: int) -> 
         raise ValueError(f"dp_rank {dp_rank} out of range for dp_world_size {dp_world_size}")
     b = int(config.validation.local_batch_size)
     if b < 1:
-        raise _config_error(f"validation.local_batch_size must be >= 1, got {b}")
+        raise ConfigError(f"validation.local_batch_size must be >= 1, got {b}")
     plan = build_plan(config, tokenizer, [validation_spec(config)], [1.0], num_shards=1, shuffle=False, max_epochs=1)
     return ValLoader(plan, dp_rank=dp_rank, dp_world_size=dp_world_size, local_batch_size=b)

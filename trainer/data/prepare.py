@@ -93,7 +93,7 @@ def prepare(source: str | SourceSpec, output: str | os.PathLike, tokenizer, *, w
     process). Returns the meta.json contents. Raises ConfigError for a bad source or an existing output
     folder (unless overwrite).
     """
-    from trainer.config import ConfigError
+    from trainer.errors import ConfigError
     from trainer.data.loader import tokenizer_fingerprint
 
     spec = parse_source(source, key="prepare source") if isinstance(source, str) else source

@@ -26,6 +26,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from trainer.errors import ConfigError, DataError
+
 # Document status codes (also stored, in the low two bits, in a prepared dataset's status array).
 OK, EMPTY, MALFORMED, UNDECODABLE = 0, 1, 2, 3
 # Bits 2 and 3 of a prepared status byte: the tokenizer had added a leading / trailing separator that was
@@ -51,16 +53,6 @@ TOKENS_FORMAT = "trainer-tokens-v1"
 # A line-based block stops after this many bytes even if it holds fewer than shuffle_window documents.
 BLOCK_BYTES = 8 << 20
 _MISSING = object()
-
-
-def _config_error(msg: str) -> Exception:
-    from trainer.config import ConfigError  # lazy: trainer.config imports trainer.data.config
-
-    return ConfigError(msg)
-
-
-class DataError(RuntimeError):
-    """Data that cannot be trained on (a shard with no usable documents, a file that changed, ...)."""
 
 
 @dataclass(frozen=True)
@@ -95,19 +87,19 @@ def parse_source(text: str, *, key: str, split: str = "train") -> SourceSpec:
     """
     raw = text.strip()
     if not raw:
-        raise _config_error(f"{key}: empty source")
+        raise ConfigError(f"{key}: empty source")
     name, _, at_split = raw.partition("@")
     if name in REGISTRY:
         use_split = at_split or split
         if use_split not in REGISTRY[name]:
-            raise _config_error(f"{key}: dataset {name!r} has no split {use_split!r}; splits: {sorted(REGISTRY[name])}")
+            raise ConfigError(f"{key}: dataset {name!r} has no split {use_split!r}; splits: {sorted(REGISTRY[name])}")
         kind, path = REGISTRY[name][use_split]
         return SourceSpec(kind, path, key, raw)
     m = re.match(r"^([A-Za-z][A-Za-z0-9_]+):(.*)$", raw)
     if m and not os.path.exists(raw):
         kind, rest = m.group(1).lower(), m.group(2)
         if kind not in KINDS:
-            raise _config_error(
+            raise ConfigError(
                 f"{key}: unknown source kind {m.group(1)!r} in {raw!r}; kinds: {', '.join(KINDS)} "
                 f"(or a registered dataset: {', '.join(REGISTRY)})"
             )
@@ -127,7 +119,7 @@ def _infer_kind(path: str, key: str) -> str:
     suffix = Path(path.rstrip("*")).suffix.lower()
     if suffix in _EXTENSIONS:
         return _EXTENSIONS[suffix]
-    raise _config_error(
+    raise ConfigError(
         f"{key}: cannot tell the source kind of {path!r}; write it as KIND:PATH with KIND one of {', '.join(KINDS)}"
     )
 
@@ -139,22 +131,22 @@ def training_specs(config) -> tuple[list[SourceSpec], list[float]]:
         explicit = getattr(config, "explicitly_set", lambda _k: False)
         clash = [k for k in ("training.dataset", "training.dataset_path") if explicit(k)]
         if clash:
-            raise _config_error(f"set either data.sources or {' / '.join(clash)}, not both")
+            raise ConfigError(f"set either data.sources or {' / '.join(clash)}, not both")
         specs = [parse_source(s, key=f"data.sources[{i}]") for i, s in enumerate(d.sources)]
     else:
         specs = [_single_spec(t.dataset, t.dataset_path, "training", "train")]
     weights = list(d.weights) if d.weights else [1.0] * len(specs)
     if len(weights) != len(specs):
-        raise _config_error(
+        raise ConfigError(
             f"data.weights has {len(weights)} entries but there are {len(specs)} sources (data.sources); "
             "give one weight per source"
         )
     for i, w in enumerate(weights):
         if not (w >= 0.0) or w == float("inf"):
-            raise _config_error(f"data.weights[{i}] must be a finite number >= 0, got {w}")
+            raise ConfigError(f"data.weights[{i}] must be a finite number >= 0, got {w}")
     total = sum(weights)
     if total <= 0:
-        raise _config_error("data.weights: at least one weight must be > 0")
+        raise ConfigError("data.weights: at least one weight must be > 0")
     return specs, [w / total for w in weights]
 
 
@@ -172,11 +164,11 @@ def _single_spec(dataset: str, dataset_path: str, section: str, split: str) -> S
         return parse_source(dataset, key=key, split=split)
     if dataset in KINDS:
         if not dataset_path:
-            raise _config_error(f"{section}.dataset_path is required when {key} is the source kind {dataset!r}")
+            raise ConfigError(f"{section}.dataset_path is required when {key} is the source kind {dataset!r}")
         return parse_source(f"{dataset}:{dataset_path}", key=f"{section}.dataset_path", split=split)
     if ":" in dataset and not dataset_path:
         return parse_source(dataset, key=key, split=split)
-    raise _config_error(
+    raise ConfigError(
         f"{key}: unknown dataset or source kind {dataset!r}; registered datasets: {', '.join(REGISTRY)}; "
         f"source kinds (with {section}.dataset_path): {', '.join(KINDS)}"
     )
@@ -187,7 +179,7 @@ def build_source(spec: SourceSpec, index: int, opts: SourceOptions) -> "Source":
     cls = {"jsonl": JsonlSource, "text": TextSource, "parquet": ParquetSource, "arrow": ArrowSource,
            "tokens": TokenSource, "hf": HFSource}.get(spec.kind)
     if cls is None:
-        raise _config_error(f"{spec.key}: unknown source kind {spec.kind!r}; kinds: {', '.join(KINDS)}")
+        raise ConfigError(f"{spec.key}: unknown source kind {spec.kind!r}; kinds: {', '.join(KINDS)}")
     return cls(spec, index, opts)
 
 
@@ -197,17 +189,17 @@ def expand_files(spec: SourceSpec, extensions: tuple[str, ...]) -> list[str]:
     if any(ch in path for ch in "*?["):
         files = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
         if not files:
-            raise _config_error(f"{spec.key}: no files match {spec.path!r}")
+            raise ConfigError(f"{spec.key}: no files match {spec.path!r}")
         return files
     if os.path.isdir(path):
         files = sorted(
             str(p) for p in Path(path).rglob("*") if p.is_file() and p.suffix.lower() in extensions
         )
         if not files:
-            raise _config_error(f"{spec.key}: folder {spec.path!r} holds no {'/'.join(extensions)} files")
+            raise ConfigError(f"{spec.key}: folder {spec.path!r} holds no {'/'.join(extensions)} files")
         return files
     if not os.path.isfile(path):
-        raise _config_error(f"{spec.key}: no such file {spec.path!r}")
+        raise ConfigError(f"{spec.key}: no such file {spec.path!r}")
     return [path]
 
 
@@ -429,7 +421,7 @@ class ParquetSource(_ColumnSource):
         for path in self.units:
             meta = pq.ParquetFile(path)
             if opts.text_field not in meta.schema_arrow.names:
-                raise _config_error(
+                raise ConfigError(
                     f"data.text_field: column {opts.text_field!r} not in {path} (columns: {meta.schema_arrow.names})"
                 )
             self.sizes.append(meta.metadata.num_rows)
@@ -464,7 +456,7 @@ class ArrowSource(_ColumnSource):
         for u, path in enumerate(self.units):
             table = self._table(u)
             if opts.text_field not in table.column_names:
-                raise _config_error(
+                raise ConfigError(
                     f"data.text_field: column {opts.text_field!r} not in {path} (columns: {table.column_names})"
                 )
             self.sizes.append(table.num_rows)
@@ -510,16 +502,16 @@ class TokenSource(Source):
         meta_path = os.path.join(folder, TOKENS_META)
         if not os.path.isfile(meta_path):
             if not os.path.exists(folder):
-                raise _config_error(f"{spec.key}: no such folder {spec.path!r}")
-            raise _config_error(f"{spec.key}: {spec.path!r} is not a prepared token folder (no {TOKENS_META})")
+                raise ConfigError(f"{spec.key}: no such folder {spec.path!r}")
+            raise ConfigError(f"{spec.key}: {spec.path!r} is not a prepared token folder (no {TOKENS_META})")
         with open(meta_path, encoding="utf-8") as f:
             self.meta = json.load(f)
         if self.meta.get("format") != TOKENS_FORMAT:
-            raise _config_error(f"{spec.key}: {meta_path} has format {self.meta.get('format')!r}, want {TOKENS_FORMAT!r}")
+            raise ConfigError(f"{spec.key}: {meta_path} has format {self.meta.get('format')!r}, want {TOKENS_FORMAT!r}")
         want = opts.tokenizer_fingerprint
         have = self.meta.get("tokenizer", {})
         if want and have != want:
-            raise _config_error(
+            raise ConfigError(
                 f"{spec.key}: {spec.path!r} was prepared with another tokenizer ({have}) than the configured "
                 f"one ({want}); run trainer data prepare again"
             )
@@ -591,7 +583,7 @@ class HFSource(_ColumnSource):
         _import_datasets(spec)
         path = os.path.expanduser(spec.path)
         if spec.path.startswith((".", "/", "~")) and not os.path.exists(path):
-            raise _config_error(f"{spec.key}: no such dataset folder {spec.path!r}")
+            raise ConfigError(f"{spec.key}: no such dataset folder {spec.path!r}")
         self.units = [spec.path]
         self.sizes = [1 << 40]  # unknown length: the stream ends when the dataset does
 
@@ -636,7 +628,7 @@ def _import_pyarrow(spec: SourceSpec):
         import pyarrow
         import pyarrow.ipc  # noqa: F401
     except ImportError:
-        raise _config_error(f"{spec.key}: reading {spec.kind} files needs pyarrow: pip install pyarrow") from None
+        raise ConfigError(f"{spec.key}: reading {spec.kind} files needs pyarrow: pip install pyarrow") from None
     return pyarrow
 
 
@@ -651,7 +643,7 @@ def _import_datasets(spec: SourceSpec):
     try:
         import datasets
     except ImportError:
-        raise _config_error(
+        raise ConfigError(
             f"{spec.key}: the hf source kind needs the Hugging Face 'datasets' package: pip install datasets"
         ) from None
     return datasets

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import logging
 
 from torch import nn
 
-from trainer.config import ConfigError, JobConfig
+from trainer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from trainer.config import JobConfig
 
 logger = logging.getLogger("trainer")
 

@@ -7,6 +7,8 @@ activation checkpointing (wraps each block), then compile (compiles each wrapped
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import logging
 from collections import defaultdict
 
@@ -23,8 +25,12 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from trainer.config import ConfigError, JobConfig
+from trainer.errors import ConfigError
+
 from trainer.parallel.dims import ParallelDims
+
+if TYPE_CHECKING:
+    from trainer.config import JobConfig
 
 logger = logging.getLogger("trainer")
 

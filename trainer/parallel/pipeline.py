@@ -9,14 +9,20 @@ as a whole model (TP, activation checkpointing, compile, FSDP).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import copy
+import difflib
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from trainer.config import ConfigError, JobConfig
+from trainer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from trainer.config import JobConfig
 
 # Schedules with one stage per rank; the others run several (virtual) stages per rank.
 SINGLE_STAGE = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B"}
@@ -33,8 +39,9 @@ def schedule_name(name: str) -> str:
     for valid in SCHEDULES:
         if valid.lower() == name.lower():
             return valid
-    raise ConfigError(f"parallelism.pipeline_parallel_schedule: unknown schedule {name!r}; "
-                      f"valid: {', '.join(SCHEDULES)}")
+    close = difflib.get_close_matches(name, list(SCHEDULES), n=1)
+    raise ConfigError(f"parallelism.pipeline_parallel_schedule: unknown schedule {name!r}"
+                      + (f" (did you mean {close[0]!r}?)" if close else "") + f"; valid: {', '.join(SCHEDULES)}")
 
 
 @dataclass

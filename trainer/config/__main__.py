@@ -1,0 +1,5 @@
+import sys
+
+from trainer.config.reference import main
+
+sys.exit(main())

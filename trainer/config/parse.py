@@ -1,0 +1,266 @@
+"""Reading a config: TOML file + command line over the defaults, and writing it back as TOML.
+
+Precedence: command line > TOML file > defaults. Anything a user can get wrong (unknown key, wrong type)
+raises :class:`ConfigError` naming the key; the value rules are in ``validate.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from trainer.config.keys import field_types, iter_sections, leaf_keys, section_of, type_name
+from trainer.config.sections import JobConfig
+from trainer.config.validate import validate
+from trainer.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+
+# --------------------------------------------------------------------------------------------------
+# Value conversion
+# --------------------------------------------------------------------------------------------------
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def _convert(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
+    """Check (TOML) or parse (command-line string) one value against a field's type."""
+    origin = typing.get_origin(tp)
+    expected = type_name(tp)
+
+    def fail(extra: str = "") -> typing.NoReturn:
+        raise ConfigError(f"{key}: expected {expected}, got {value!r}{extra}")
+
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if type(None) in args and (value is None or (from_cli and str(value).lower() in ("none", "null"))):
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(key, arg, value, from_cli)
+            except ConfigError as e:
+                errors.append(e)
+        fail()
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value in choices:
+            return value
+        if from_cli:
+            for c in choices:
+                if str(c) == str(value):
+                    return c
+        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        fail(f" (did you mean {close[0]!r}?)" if close else "")
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if from_cli and isinstance(value, str):
+            value = _split_cli_list(value, item_tp)
+        if not isinstance(value, list):
+            fail()
+        return [_convert(f"{key}[{i}]", item_tp, v, from_cli) for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if from_cli and str(value).lower() in _TRUE | _FALSE:
+            return str(value).lower() in _TRUE
+        fail(" (use true or false)")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if from_cli:
+            try:
+                return int(str(value).replace("_", ""))
+            except ValueError:
+                pass
+        fail()
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if from_cli:
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        fail()
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if from_cli:
+            return str(value)
+        fail()
+    raise TypeError(f"unsupported config type {tp} for {key}")  # a bug in this file, not user input
+
+
+def _split_cli_list(value: str, item_tp: Any) -> list:
+    """CLI lists are comma-separated; nested lists use JSON (e.g. '[["a","b"],["c"]]')."""
+    value = value.strip()
+    if value.startswith("["):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"cannot parse list {value!r}: {e}") from None
+    if value == "":
+        return []
+    items = [v.strip() for v in value.split(",")]
+    if typing.get_origin(item_tp) is list:
+        # Inclusive integer ranges: "10-20,25" -> [[10, 20], [25, 25]].
+        ranges = []
+        for item in items:
+            lo, _, hi = item.partition("-")
+            try:
+                ranges.append([int(lo), int(hi or lo)])
+            except ValueError:
+                raise ConfigError(f"cannot parse range {item!r} in {value!r}; use e.g. 10-20,25-30") from None
+        return ranges
+    return items
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------------
+
+
+def _unknown_key(key: str, known: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    if not close:
+        # A typo in the section name but a correct key name: match on the last part.
+        tail = key.rsplit(".", 1)[-1]
+        close = [k for k in known if k.rsplit(".", 1)[-1] == tail][:1] or difflib.get_close_matches(
+            tail, [k.rsplit(".", 1)[-1] for k in known], n=1
+        )
+        close = [k for k in known if k.endswith("." + close[0])][:1] if close else []
+    hint = f"; did you mean '{close[0]}'?" if close else "; run with --help for the list of keys"
+    return ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def _flatten_toml(data: dict, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    sections = {s for s, _ in iter_sections()}
+    for k, v in data.items():
+        dotted = f"{prefix}.{k}" if prefix else k
+        is_section_prefix = any(s == dotted or s.startswith(dotted + ".") for s in sections)
+        if isinstance(v, dict) and is_section_prefix:
+            flat.update(_flatten_toml(v, dotted))
+        else:
+            flat[dotted] = v
+    return flat
+
+
+def parse_cli(argv: list[str]) -> dict[str, str | bool]:
+    """``--section.key value``, ``--section.key=value`` or a bare ``--section.bool_key`` -> {key: value}."""
+    out: dict[str, str | bool] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or arg == "--":
+            raise ConfigError(f"unexpected argument {arg!r}; options look like --section.key value")
+        body = arg[2:]
+        if "=" in body:
+            key, value = body.split("=", 1)
+            i += 1
+        else:
+            key = body
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if nxt is None or (nxt.startswith("--") and len(nxt) > 2 and not _is_number(nxt)):
+                value = True  # bare flag; only valid for booleans (checked on conversion)
+                i += 1
+            else:
+                value = nxt
+                i += 2
+        out[key.replace("-", "_")] = value
+    return out
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
+
+
+def load_config(argv: list[str] | None = None, env: dict[str, str] | None = None) -> JobConfig:
+    """Build the JobConfig from defaults, the TOML file (``--job.config_file`` or $CONFIG_FILE) and CLI."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    env = os.environ if env is None else env
+    known = leaf_keys()
+    cli = parse_cli(argv)
+    for key in cli:
+        if key not in known:
+            raise _unknown_key(key, list(known))
+
+    values: dict[str, tuple[Any, bool]] = {}
+    config_file = cli.get("job.config_file") or env.get("CONFIG_FILE") or None
+    if config_file:
+        path = Path(str(config_file))
+        if not path.is_file():
+            raise ConfigError(f"job.config_file: no such file '{path}'")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"job.config_file: '{path}' is not valid TOML: {e}") from None
+        for key, value in _flatten_toml(data).items():
+            if key not in known:
+                raise ConfigError(f"{path}: {_unknown_key(key, list(known))}")
+            values[key] = (value, False)
+        values["job.config_file"] = (str(path), True)
+    for key, value in cli.items():
+        values[key] = (value, True)
+
+    config = JobConfig()
+    for key, (value, from_cli) in values.items():
+        cls, f = known[key]
+        tp = field_types(cls)[f.name]
+        if value is True and from_cli and tp is not bool and typing.get_origin(tp) is None:
+            raise ConfigError(f"{key}: expected a value ({type_name(tp)})")
+        converted = _convert(key, tp, value, from_cli)
+        section = config
+        for part in key.split(".")[:-1]:
+            section = getattr(section, part)
+        setattr(section, f.name, converted)
+    object.__setattr__(config, "_explicit", set(values))
+    validate(config)
+    return config
+
+
+
+def toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    raise TypeError(v)
+
+
+def to_toml(config: JobConfig) -> str:
+    """The resolved config as TOML (keys whose value is None are written as comments)."""
+    lines = []
+    for section, _ in iter_sections():
+        obj = section_of(config, section)
+        lines.append(f"[{section}]")
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            if dataclasses.is_dataclass(v):
+                continue
+            lines.append(f"# {f.name} = None" if v is None else f"{f.name} = {toml_value(v)}")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,91 @@
+"""The config reference (``--help`` and docs/config.md, both generated from the sections' field docs) and
+the ``trainer config`` command, which also serves as the launcher's pre-flight check."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+from trainer.config.keys import field_docs, field_types, is_section, iter_sections, section_of, type_name
+from trainer.config.parse import load_config, to_toml, toml_value
+from trainer.config.sections import SECTION_DOC, JobConfig
+from trainer.config.validate import validate
+from trainer.errors import ConfigError
+
+
+def documented_keys():
+    """Yield (section, field name, type, default, doc) for every key, in declaration order."""
+    defaults = JobConfig()
+    for section, cls in iter_sections():
+        docs = field_docs(cls)
+        obj = section_of(defaults, section)
+        for f in dataclasses.fields(cls):
+            tp = field_types(cls)[f.name]
+            if not is_section(tp):
+                yield section, f.name, tp, getattr(obj, f.name), docs.get(f.name, "")
+
+
+def help_text() -> str:
+    lines = [
+        "usage: run_train.sh [--section.key value | --section.key=value | --section.bool_key] ...",
+        "",
+        "Keys are read from the TOML file given by CONFIG_FILE (or --job.config_file), then overridden on",
+        "the command line. Lists are comma-separated. Every key, with its default:",
+    ]
+    current = None
+    for section, name, tp, default, doc in documented_keys():
+        if section != current:
+            lines += ["", f"[{section}]  {SECTION_DOC.get(section, '')}"]
+            current = section
+        lines.append(f"  --{section}.{name}  ({type_name(tp)}, default {default!r})")
+        lines += [f"      {doc_line}" for doc_line in doc.splitlines()]
+    return "\n".join(lines) + "\n"
+
+
+def markdown_reference() -> str:
+    """docs/config.md; a test checks the committed file equals this output."""
+    out = [
+        "# Configuration reference",
+        "",
+        "Generated from `trainer/config/` by `python -m trainer.config --markdown > docs/config.md`;",
+        "a test fails when this file and the code disagree.",
+        "",
+        "Keys are set in a TOML file (`CONFIG_FILE=path ./run_train.sh` or `--job.config_file path`) and",
+        "overridden on the command line as `--section.key value` or `--section.key=value` (booleans also as",
+        "a bare `--section.key`; lists comma-separated). Precedence: command line > TOML > defaults.",
+    ]
+    current = None
+    for section, name, tp, default, doc in documented_keys():
+        if section != current:
+            out += ["", f"## [{section}]", "", SECTION_DOC.get(section, ""), "", "| key | type | default | meaning |",
+                    "| --- | --- | --- | --- |"]
+            current = section
+        shown = "None" if default is None else toml_value(default)
+        tname = type_name(tp).replace("|", "\\|")
+        doc = doc.replace("\n", " ").replace("|", "\\|")
+        out.append(f"| `{name}` | {tname} | `{shown}` | {doc} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv == ["--markdown"]:
+        print(markdown_reference(), end="")
+        return 0
+    if any(a in ("-h", "--help") for a in argv):
+        print(help_text())
+        return 0
+    check_only = "--check" in argv
+    argv = [a for a in argv if a != "--check"]
+    try:
+        config = load_config(argv)
+        if check_only:
+            # The launcher's pre-flight: fail in a fraction of a second, before torchrun starts.
+            validate(config, int(os.environ.get("WORLD_SIZE", "1")))
+            return 0
+        print(to_toml(config))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    return 0
