@@ -48,9 +48,12 @@ def test_layout_matches_single_process(name, single, tmp_path):
 
 @pytest.mark.slow
 def test_compile_matches_eager(single, tmp_path):
-    run_train(tmp_path, *STEPS, "--training.local_batch_size", "8", "--compile.enable")
+    cache = tmp_path / "inductor_cache"
+    run_train(tmp_path, *STEPS, "--training.local_batch_size", "8", "--compile.enable",
+              "--compile.cache_dir", str(cache))
     diffs = relative_diffs(losses(tmp_path), single)
     assert max(diffs) <= 1e-4, diffs
+    assert any(p.is_file() for p in cache.rglob("*")), "compile.cache_dir was not used by Inductor"
 
 
 @pytest.mark.slow
@@ -93,6 +96,60 @@ def test_tp_must_divide_heads():
     with pytest.raises(ConfigError, match="key/value heads \\(4\\)"):
         validate_tp(ParallelDims(dp_replicate=1, dp_shard=1, tp=8, pp=1, world_size=8), n_heads=16, n_kv_heads=4)
     validate_tp(ParallelDims(dp_replicate=1, dp_shard=2, tp=4, pp=1, world_size=8), n_heads=16, n_kv_heads=4)
+
+
+PRECOMPUTE_SCRIPT = """
+import os, torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"], RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo")
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+from trainer.config import load_config
+from trainer.parallel.float8 import register_float8_scale_precompute
+
+model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True))
+mesh = init_device_mesh("cpu", (1,))
+for layer in model:
+    fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+config = load_config(["--model.converters", "quantize.linear.float8",
+                      "--quantize.linear.float8.enable_fsdp_float8_all_gather",
+                      "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"], env={})
+assert register_float8_scale_precompute(opt, [model], config)
+model(torch.randn(4, 32)).sum().backward()
+opt.step()
+for layer in model:
+    local = layer.weight._local_tensor  # the float8-cast weight wrapper that carries the scale
+    amax = local.detach().abs().max().float()
+    expected = torch.finfo(torch.float8_e4m3fn).max / amax
+    assert torch.allclose(local._precomputed_scale.float(), expected, rtol=1e-5), (local._precomputed_scale, expected)
+print("ok")
+"""
+
+
+def test_float8_scale_precompute_runs_after_the_optimizer_step(tmp_path):
+    """The hook computes every FSDP weight's float8 scale from the updated weights (one process, gloo)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-c", PRECOMPUTE_SCRIPT], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PORT": str(port), "OMP_NUM_THREADS": "1"}, cwd=tmp_path.parent)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_float8_precompute_needs_float8_all_gather():
+    from trainer.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="needs enable_fsdp_float8_all_gather"):
+        load_config(["--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"], env={})
 
 
 def test_float8_all_gather_refused_on_cpu(tmp_path):

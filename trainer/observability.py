@@ -727,6 +727,7 @@ class Observability:
         summary = {
             "status": status,
             "error": error,
+            "description": config.job.description,
             "step": state.step,
             "steps_total": config.training.steps,
             "start_step": self.start_step,

@@ -39,7 +39,8 @@ from trainer.models.llama import Transformer, flops_per_token, get_llama_args, m
 from trainer.optim import LRSchedule, build_optimizer
 from trainer.parallel.dims import ParallelDims, device_type
 from trainer.parallel.init import init_weights
-from trainer.parallel.parallelize import DTYPES, parallelize, validate_tp
+from trainer.parallel.float8 import register_float8_scale_precompute
+from trainer.parallel.parallelize import DTYPES, parallelize, set_compile_cache, validate_tp
 from trainer.parallel.pipeline import build_schedule, build_stage_model, plan_stages, schedule_name
 
 logger = logging.getLogger("trainer")
@@ -97,6 +98,7 @@ class Trainer:
         self.dp_rank = self.dims.dp_mesh.get_local_rank()
         self.is_logging_rank = self.rank == 0
         configure_determinism(config, self.device)
+        set_compile_cache(config.compile.cache_dir)
         self.seed = 0 if config.debug.seed is None else config.debug.seed
         self.accum_steps = grad_accum_steps(config, self.dims.dp)
         if self.device.type == "cuda" and not config.explicitly_set("data.pin_memory"):
@@ -145,6 +147,7 @@ class Trainer:
         self.optimizer = build_optimizer([np for part in self.model_parts for np in part.named_parameters()],
                                          config.optimizer)
         self.lr_schedule = LRSchedule(config.lr_scheduler, config.optimizer.lr, config.training.steps)
+        register_float8_scale_precompute(self.optimizer, self.model_parts, config)
 
         # State that checkpoints carry, then resume if the dump folder has a checkpoint.
         self.state = TrainState()

@@ -21,7 +21,7 @@ class Job:
     dump_folder: str = "./outputs"
     """Folder for everything a run writes: resolved config, metrics.jsonl, TensorBoard events, checkpoints."""
     description: str = ""
-    """Free text describing the run; saved with the resolved config."""
+    """Free text describing the run; saved in config.toml and summary.json."""
     print_config: bool = False
     """Print the resolved configuration and exit without training."""
     dry_run: bool = False
@@ -201,7 +201,8 @@ class Compile:
     backend: str = "inductor"
     """torch.compile backend."""
     cache_dir: str = ""
-    """Inductor cache directory shared between runs; empty keeps PyTorch's default."""
+    """Inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR), e.g. on a shared filesystem so that later runs and
+    other nodes reuse compiled kernels; empty keeps PyTorch's default (or the variable already set)."""
 
 
 @dataclass
@@ -213,7 +214,8 @@ class Float8:
     enable_fsdp_float8_all_gather: bool = False
     """All-gather FSDP parameters in float8 (tensorwise only; needs NCCL)."""
     precompute_float8_dynamic_scale_for_fsdp: bool = False
-    """Compute float8 scales for all parameters in one kernel after the optimizer step."""
+    """After each optimizer step, compute the float8 scales of all FSDP-sharded weights at once (one amax
+    all-reduce instead of one per weight at each all-gather). Needs enable_fsdp_float8_all_gather."""
     emulate: bool = False
     """Emulate float8 matmuls in high precision (for testing on hardware without float8)."""
 

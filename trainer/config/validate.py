@@ -96,6 +96,12 @@ def _check_core(config) -> None:
     from trainer.parallel.pipeline import schedule_name
 
     schedule_name(config.parallelism.pipeline_parallel_schedule)
+    f8 = config.quantize.linear.float8
+    if f8.enable_fsdp_float8_all_gather and f8.recipe_name != "tensorwise":
+        raise ConfigError('quantize.linear.float8.enable_fsdp_float8_all_gather needs recipe_name = "tensorwise"')
+    if f8.precompute_float8_dynamic_scale_for_fsdp and not f8.enable_fsdp_float8_all_gather:
+        raise ConfigError("quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp precomputes the scales of "
+                          "float8 all-gathers: it needs enable_fsdp_float8_all_gather = true")
     valid_converters = {"quantize.linear.float8"}
     for c in config.model.converters:
         if c not in valid_converters:

@@ -28,8 +28,6 @@ def convert_to_float8(model: nn.Module, config: JobConfig) -> None:
     except ImportError as e:
         raise ConfigError(f"model.converters has quantize.linear.float8 but torchao is not importable: {e}") from None
     if cfg.enable_fsdp_float8_all_gather:
-        if cfg.recipe_name != "tensorwise":
-            raise ConfigError("quantize.linear.float8.enable_fsdp_float8_all_gather needs recipe_name = \"tensorwise\"")
         import torch
 
         if not torch.cuda.is_available():
@@ -58,10 +56,18 @@ def convert_to_float8(model: nn.Module, config: JobConfig) -> None:
     logger.info("float8 (%s) applied to Linear layers", cfg.recipe_name)
 
 
-def precompute_float8_scales(model: nn.Module, config: JobConfig) -> None:
-    """After the optimizer step: compute all float8 all-gather scales in one go (tensorwise + FSDP)."""
+def register_float8_scale_precompute(optimizer, model_parts: list[nn.Module], config: "JobConfig") -> bool:
+    """quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp: after every optimizer step, compute
+    the float8 scales of all FSDP-sharded weights at once (one amax all-reduce for the whole model instead of
+    one per weight at each all-gather). Returns whether the hook was registered."""
     cfg = config.quantize.linear.float8
-    if cfg.enable_fsdp_float8_all_gather and cfg.precompute_float8_dynamic_scale_for_fsdp:
-        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    if "quantize.linear.float8" not in config.model.converters or not cfg.precompute_float8_dynamic_scale_for_fsdp:
+        return False
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-        precompute_float8_dynamic_scale_for_fsdp(model)
+    def precompute(*_):
+        for part in model_parts:
+            precompute_float8_dynamic_scale_for_fsdp(part)
+
+    optimizer.register_step_post_hook(precompute)
+    return True

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import logging
+import os
 from collections import defaultdict
 
 import torch
@@ -189,6 +190,17 @@ def apply_ac(model: nn.Module, mode: str, selective_option: str) -> None:
 # --------------------------------------------------------------------------------------------------
 # torch.compile
 # --------------------------------------------------------------------------------------------------
+
+
+def set_compile_cache(cache_dir: str) -> None:
+    """compile.cache_dir: Inductor's on-disk cache, shared between runs (set before anything compiles)."""
+    if not cache_dir:
+        return
+    path = os.path.abspath(os.path.expanduser(cache_dir))
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if previous and os.path.abspath(previous) != path:
+        logger.warning("compile.cache_dir %s replaces TORCHINDUCTOR_CACHE_DIR=%s from the environment", path, previous)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
 
 
 def apply_compile(model: nn.Module, backend: str) -> None:
