@@ -209,7 +209,7 @@ def test_watchdog_fallbacks_work_while_the_gil_is_held_and_on_sigterm(tmp_path):
 
 def test_cuda_oom_dumps_a_snapshot_writes_the_summary_and_reraises(tmp_path, monkeypatch, trainer_log):
     dumped = []
-    monkeypatch.setattr(observability, "dump_cuda_snapshot", lambda p: (dumped.append(p), p.write_bytes(b"x")))
+    monkeypatch.setattr(observability.profiling, "dump_cuda_snapshot", lambda p: (dumped.append(p), p.write_bytes(b"x")))
     trainer = fake_trainer(tmp_path, "--comm.watchdog_timeout_seconds", "0", device="cuda")
     with pytest.raises(torch.cuda.OutOfMemoryError):
         with Observability(trainer) as obs:
