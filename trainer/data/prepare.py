@@ -108,8 +108,30 @@ def prepare(source: str | SourceSpec, output: str | os.PathLike, tokenizer, *, w
 
     if workers is None:
         workers = os.cpu_count() or 1
-    # Pieces: about 4 per worker for small inputs, at most piece_bytes / piece_rows each. The output does
-    # not depend on them (pieces are contiguous and concatenated in order).
+    tasks = _plan_pieces(src, workers, dtype, piece_bytes, piece_rows)
+    if out.exists() and overwrite:
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp_dir = out / ".pieces"
+    tmp_dir.mkdir(exist_ok=True)
+    results = _run_pieces(src, tokenizer, tasks, tmp_dir, max(1, min(workers, len(tasks))), progress)
+    stats, units = _assemble_units(src, tasks, results, out)
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    meta = {
+        "format": TOKENS_FORMAT, "dtype": dtype, "tokenizer": tokenizer_fingerprint(tokenizer),
+        "source": spec.label, "kind": src.kind, "text_field": text_field, "text_document": text_document,
+        "partition": src.partition, "coords_are_bytes": bool(src.coords_are_bytes),
+        "num_tokens": stats["tokens"], "stats": stats, "units": units,
+    }
+    tmp_meta = out / (TOKENS_META + ".tmp")
+    tmp_meta.write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp_meta, out / TOKENS_META)  # written last: its presence means the folder is complete
+    return meta
+
+
+def _plan_pieces(src, workers: int, dtype: str, piece_bytes: int, piece_rows: int) -> list[tuple]:
+    """Tasks (piece, unit, lo, hi, dtype): about 4 per worker for small inputs, at most piece_bytes /
+    piece_rows each. The output does not depend on them (pieces are contiguous and concatenated in order)."""
     total = sum(src.sizes) if src.kind != "hf" else 0
     if src.coords_are_bytes:
         piece = min(piece_bytes, max(1 << 20, total // (4 * max(1, workers)) + 1))
@@ -117,20 +139,15 @@ def prepare(source: str | SourceSpec, output: str | os.PathLike, tokenizer, *, w
         piece = min(piece_rows, max(1000, total // (4 * max(1, workers)) + 1))
     tasks = []
     for unit, size in enumerate(src.sizes):
-        if src.kind == "hf" or src.partition == "modulo":
-            n_pieces = 1
-        else:
-            n_pieces = max(1, -(-size // piece))
+        n_pieces = 1 if src.kind == "hf" or src.partition == "modulo" else max(1, -(-size // piece))
         for p in range(n_pieces):
             lo, hi = range_part(size, p, n_pieces)
             tasks.append((len(tasks), unit, lo, hi, dtype))
+    return tasks
 
-    if out.exists() and overwrite:
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp_dir = out / ".pieces"
-    tmp_dir.mkdir(exist_ok=True)
-    workers = max(1, min(workers, len(tasks)))
+
+def _run_pieces(src, tokenizer, tasks: list[tuple], tmp_dir: Path, workers: int, progress: bool) -> dict[int, dict]:
+    """Tokenize every piece, in this process or a pool of ``workers``; results by piece index."""
     bar = _progress(sum(t[3] - t[2] if t[3] - t[2] < (1 << 40) else 0 for t in tasks) or None, progress, src.label)
     results: dict[int, dict] = {}
     try:
@@ -150,8 +167,11 @@ def prepare(source: str | SourceSpec, output: str | os.PathLike, tokenizer, *, w
                     bar.update(r["work"])
     finally:
         bar.close()
+    return results
 
-    # Assemble each unit's pieces in order.
+
+def _assemble_units(src, tasks: list[tuple], results: dict[int, dict], out: Path) -> tuple[dict, list[dict]]:
+    """Concatenate each unit's pieces in order into its token file and indexes; the counts over all units."""
     stats = {"documents": 0, "tokens": 0, "skipped_empty": 0, "skipped_malformed": 0, "skipped_undecodable": 0,
              "stripped_separators": 0}
     units = []
@@ -177,17 +197,7 @@ def prepare(source: str | SourceSpec, output: str | os.PathLike, tokenizer, *, w
         units.append({"name": name, "origin": src.units[unit],
                       "size": int(size if src.kind != "hf" else len(lengths)),
                       "num_docs": int(len(lengths)), "num_tokens": int(lengths.sum())})
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    meta = {
-        "format": TOKENS_FORMAT, "dtype": dtype, "tokenizer": tokenizer_fingerprint(tokenizer),
-        "source": spec.label, "kind": src.kind, "text_field": text_field, "text_document": text_document,
-        "partition": src.partition, "coords_are_bytes": bool(src.coords_are_bytes),
-        "num_tokens": stats["tokens"], "stats": stats, "units": units,
-    }
-    tmp_meta = out / (TOKENS_META + ".tmp")
-    tmp_meta.write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp_meta, out / TOKENS_META)  # written last: its presence means the folder is complete
-    return meta
+    return stats, units
 
 
 class _NoBar:
