@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from trainer.config import ConfigError
+from trainer.config import ConfigError, validate
 from trainer.data import DataStateError, build_train_loader, build_val_loader, merge_states
 from trainer.data.testing import ByteTokenizer, make_config, synthetic_texts, token_pairs, write_jsonl
 
@@ -198,14 +198,15 @@ def test_mixture_shares_and_weight_change(tmp_path):
 ])
 def test_config_errors(corpus, overrides, match):
     kw = {"training.local_batch_size": 2, **overrides}
-    if "data.sources" in overrides:
-        c = make_config(**{"data.num_shards": 8, **kw})
-    elif overrides.get("training.dataset") == "nope":
-        c = make_config(**kw)
-    else:
-        c = cfg(corpus, **kw)
+    # Found by the one validate(): when the config is loaded, or with the world size, before any loader exists.
     with pytest.raises(ConfigError, match=match):
-        build_train_loader(c, TOK, dp_rank=0, dp_world_size=4)
+        if "data.sources" in overrides:
+            c = make_config(**{"data.num_shards": 8, **kw})
+        elif overrides.get("training.dataset") == "nope":
+            c = make_config(**kw)
+        else:
+            c = cfg(corpus, **kw)
+        validate(c, 4)
 
 
 def test_validation_loader_is_deterministic_and_rank_balanced(small_corpus):

@@ -95,9 +95,20 @@ def guard(**kw) -> StepGuard:
 
 
 def feed(g: StepGuard, values, start: int = 1, trainer=None) -> list[str | None]:
+    """Steps as the loop runs them with a log every step: the verdict stays a device tensor, and the log
+    step's metrics give the reason of a skip."""
     trainer = trainer or fake_trainer(g.config)
-    return [g.should_skip(trainer, start + i, torch.tensor(loss), torch.tensor(gn))
-            for i, (loss, gn) in enumerate(values)]
+    reasons = []
+    for i, (loss, gn) in enumerate(values):
+        skip = g.should_skip(trainer, start + i, torch.tensor(loss), torch.tensor(gn))
+        if skip is None:
+            reasons.append(None)
+            continue
+        assert isinstance(skip, torch.Tensor) and skip.dtype == torch.bool and skip.ndim == 0
+        reason = g.metrics(trainer, start + i).get("skip_reason")
+        assert (reason is not None) == bool(skip)
+        reasons.append(reason)
+    return reasons
 
 
 NORMAL = [(5.0, 1.0), (5.1, 1.1), (4.9, 0.9), (5.05, 1.0), (4.95, 1.05), (5.0, 0.95)]

@@ -65,13 +65,17 @@ class Callback:
         no forward, backward or optimizer update runs, and its loss and grad norm are logged as NaN."""
         return None
 
-    def should_skip(self, run: RunView, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> str | None:
-        """After backward: return a reason to skip this step's optimizer update, or None. ``loss`` is this
-        rank's mean token loss, ``grad_norm`` the global gradient norm (both on the device)."""
+    def should_skip(self, run: RunView, step: int, loss: torch.Tensor,
+                    grad_norm: torch.Tensor) -> torch.Tensor | None:
+        """After backward: a 0-d bool tensor on the device, true to skip this step's optimizer update, or
+        None. ``loss`` is this rank's mean token loss, ``grad_norm`` the global gradient norm (both on the
+        device). Decide on the device and never read a tensor on the host here: the loop hands the verdict
+        to the optimizer as a tensor, and reports reasons at log steps through ``metrics``."""
         return None
 
     def metrics(self, run: RunView, step: int) -> dict[str, Any]:
-        """Extra fields for the step's metrics record."""
+        """Extra fields for the step's metrics record; called on log steps only, where reading device
+        values is allowed (``skip_reason`` explains a skip decided by ``should_skip`` at this step)."""
         return {}
 
     def state_dict(self) -> dict[str, Any]:
@@ -112,9 +116,13 @@ class CallbackList:
         reasons = [r for cb in self.callbacks if (r := cb.skip_before_forward(run, step))]
         return ", ".join(reasons) if reasons else None
 
-    def should_skip(self, run, step, loss, grad_norm) -> tuple[bool, str | None]:
-        reasons = [r for cb in self.callbacks if (r := cb.should_skip(run, step, loss, grad_norm))]
-        return bool(reasons), ", ".join(reasons) if reasons else None
+    def should_skip(self, run, step, loss, grad_norm) -> torch.Tensor | None:
+        skip = None
+        for cb in self.callbacks:
+            verdict = cb.should_skip(run, step, loss, grad_norm)
+            if verdict is not None:
+                skip = verdict if skip is None else skip | verdict
+        return skip
 
     def metrics(self, run, step):
         out: dict[str, Any] = {}

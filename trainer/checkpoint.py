@@ -92,15 +92,33 @@ class _Incompatible(Exception):
 class TrainState:
     step: int = 0
     tokens_seen: int = 0
-    skipped_steps: int = 0
     # Set by CheckpointManager.load() to the step a run resumed from (None: started fresh); not saved.
     resumed_from_step: int | None = None
+    _skipped: int = 0
+    _pending_skips: torch.Tensor | None = None  # skips decided on the device and not read yet
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps whose update was skipped. Reading it reads the device counter (log steps and saves only)."""
+        if self._pending_skips is not None:
+            self._skipped += int(self._pending_skips.item())
+            self._pending_skips = None
+        return self._skipped
+
+    def add_skip(self, skip: bool | torch.Tensor) -> None:
+        """Count a skip known on the host (bool) or decided on the device (0-d bool), without a host read."""
+        if isinstance(skip, torch.Tensor):
+            skip = skip.long()
+            self._pending_skips = skip if self._pending_skips is None else self._pending_skips + skip
+        else:
+            self._skipped += int(skip)
 
     def state_dict(self) -> dict:
         return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, sd: dict) -> None:
-        self.step, self.tokens_seen, self.skipped_steps = int(sd["step"]), int(sd["tokens_seen"]), int(sd["skipped_steps"])
+        self.step, self.tokens_seen = int(sd["step"]), int(sd["tokens_seen"])
+        self._skipped, self._pending_skips = int(sd["skipped_steps"]), None
 
 
 # --------------------------------------------------------------------------------------------------

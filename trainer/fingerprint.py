@@ -8,26 +8,30 @@ ranks and micro-batches, and it is cheap enough to compute for every step on the
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-_WEIGHTS: dict[int, torch.Tensor] = {}
+_WEIGHTS: dict[int, np.ndarray] = {}
 
 
-def _weights(length: int) -> torch.Tensor:
+def _weights(length: int) -> np.ndarray:
     if length not in _WEIGHTS:
         g = torch.Generator().manual_seed(0x5EED)
-        _WEIGHTS[length] = torch.randint(1, 2**31 - 1, (length,), generator=g, dtype=torch.int64) * 2 + 1
+        weights = torch.randint(1, 2**31 - 1, (length,), generator=g, dtype=torch.int64) * 2 + 1
+        _WEIGHTS[length] = weights.numpy()
     return _WEIGHTS[length]
 
 
-def sequence_fingerprint(inputs: torch.Tensor, labels: torch.Tensor) -> int:
-    """Wrapping sum of per-sequence hashes of [input tokens..., last label] for a [B, S] batch."""
-    seqs = torch.cat([inputs.cpu(), labels.cpu()[:, -1:]], dim=1).to(torch.int64) + 1
-    w = _weights(seqs.shape[1])
-    per_seq = (seqs * w).sum(dim=1)
-    # Mix the per-sequence values so that equal token multisets in different sequences differ.
-    per_seq = per_seq * 0x9E3779B1 + (per_seq >> 29)
-    return wrap_int64(int(per_seq.sum().item()))
+def sequence_fingerprint(inputs, labels) -> int:
+    """Wrapping sum of per-sequence hashes of [input tokens..., last label] for a [B, S] batch (numpy
+    arrays or CPU tensors). Computed in numpy int64, which wraps like torch's, so the training thread never
+    reads a tensor through torch's dispatcher."""
+    seqs = np.concatenate([np.asarray(inputs), np.asarray(labels)[:, -1:]], axis=1).astype(np.int64) + 1
+    with np.errstate(over="ignore"):
+        per_seq = (seqs * _weights(seqs.shape[1])).sum(axis=1)
+        # Mix the per-sequence values so that equal token multisets in different sequences differ.
+        per_seq = per_seq * 0x9E3779B1 + (per_seq >> 29)
+        return wrap_int64(int(per_seq.sum()))
 
 
 def wrap_int64(value: int) -> int:

@@ -79,3 +79,27 @@ class LRSchedule:
         for group in optimizer.param_groups:
             group["lr"] = lr
         return lr
+
+
+def supports_device_skip(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``step_unless`` skips without a host read (fused AdamW takes the verdict as ``found_inf``)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor | None) -> None:
+    """``optimizer.step()`` unless ``skip`` (a 0-d bool on the device) is true.
+
+    Fused AdamW reads the verdict on the device through the AMP ``found_inf`` protocol: when it is set the
+    kernel leaves parameters, moments and the step count untouched, so deciding costs no host
+    synchronisation. Other implementations read the verdict on the host (the trainer says so at start-up).
+    """
+    if skip is None:
+        optimizer.step()
+    elif supports_device_skip(optimizer):
+        optimizer.found_inf = skip.to(torch.float32)
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+    elif not bool(skip):
+        optimizer.step()

@@ -36,7 +36,7 @@ from trainer.data.loader import grad_accum_steps
 from trainer.fingerprint import sequence_fingerprint, wrap_int64
 from trainer.metrics import MetricsWriter, Throughput, console_line, format_eta, memory_gib, peak_tflops, use_color
 from trainer.models.llama import Transformer, flops_per_token, get_llama_args, model_num_params
-from trainer.optim import LRSchedule, build_optimizer
+from trainer.optim import LRSchedule, build_optimizer, step_unless, supports_device_skip
 from trainer.parallel.dims import ParallelDims, device_type
 from trainer.parallel.init import init_weights
 from trainer.parallel.float8 import register_float8_scale_precompute
@@ -148,6 +148,10 @@ class Trainer:
                                          config.optimizer)
         self.lr_schedule = LRSchedule(config.lr_scheduler, config.optimizer.lr, config.training.steps)
         register_float8_scale_precompute(self.optimizer, self.model_parts, config)
+        if not supports_device_skip(self.optimizer):
+            logger.info("optimizer.implementation %s: a stability guard's verdict is read on the host every step "
+                        "(fused AdamW applies it on the device, with no synchronisation)",
+                        config.optimizer.implementation)
 
         # State that checkpoints carry, then resume if the dump folder has a checkpoint.
         self.state = TrainState()
@@ -295,28 +299,29 @@ class Trainer:
         return norm
 
     def train_step(self, step: int) -> dict:
+        """One optimizer step. Nothing here reads a device value on the host: a guard's verdict stays a
+        tensor that the optimizer applies, and losses are read only when logged."""
         batches = self.next_micro_batches()
         batches = self.callbacks.on_batches(self.run_view, step, batches)
-        fingerprint = wrap_int64(sum(sequence_fingerprint(b["input"], b["labels"]) for b in batches))
+        fingerprint = wrap_int64(sum(batch_fingerprint(b) for b in batches))
         lr = self.lr_schedule.apply(self.optimizer, step)
         torch.manual_seed(self.seed + step)
         reason = self.callbacks.skip_before_forward(self.run_view, step)
         if reason is not None:  # known in advance (e.g. stability.skip_steps): data drawn, nothing computed
-            skip = True
+            skip: bool | torch.Tensor = True
             loss = grad_norm = torch.full((), float("nan"), device=self.device)
         else:
             loss = self.forward_backward(batches)
             with record_function("optimizer"):
                 grad_norm = self.clip_grad_norm()
-                skip, reason = self.callbacks.should_skip(self.run_view, step, loss, grad_norm)
-                if not skip:
-                    self.optimizer.step()
+                skip = self.callbacks.should_skip(self.run_view, step, loss, grad_norm)
+                step_unless(self.optimizer, skip)
                 self.optimizer.zero_grad(set_to_none=True)
+            skip = False if skip is None else skip
         tokens = sum(b["labels"].numel() for b in batches)
         self.state.step = step
         self.state.tokens_seen += tokens * self.dims.dp
-        if skip:
-            self.state.skipped_steps += 1
+        self.state.add_skip(skip)
         self.throughput.tokens += tokens * self.dims.dp / self.world_size  # per device
         self.throughput.steps += 1
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "fingerprint": fingerprint, "skipped": skip,
@@ -361,7 +366,7 @@ class Trainer:
             "data_wait_s": speed["data_wait_s"],
             "memory": memory_gib(self.device),
             "data_fingerprint": int(fp.item()) % (1 << 53),
-            "skipped": bool(out["skipped"]),
+            "skipped": bool(out["skipped"]),  # a device verdict is read here, on a log step
             "skipped_steps": self.state.skipped_steps,
             "eta": format_eta(remaining * speed["step_time_s"]),
         }
@@ -433,7 +438,9 @@ class Trainer:
         with obs.step(step):  # CUDA out-of-memory: memory snapshot, re-raised
             out = self.train_step(step)
         last = step == config.training.steps
-        if step % config.metrics.log_freq == 0 or last or out["skipped"]:
+        # A skip known on the host (a skipped range) is always logged; a guard's verdict stays on the device
+        # and is reported at the next log step.
+        if step % config.metrics.log_freq == 0 or last or out["skipped"] is True:
             with record_function("log"):
                 self.log_step(step, out)
         with obs.checkpoint():
@@ -459,6 +466,13 @@ class Trainer:
             with obs.checkpoint():
                 self.checkpointer.finish()
         self.metrics.close()
+
+
+def batch_fingerprint(batch: dict) -> int:
+    """The loader computes it ahead, off the training thread; a batch replaced by a callback (a fault
+    drill) is hashed here."""
+    fingerprint = getattr(batch, "fingerprint", None)
+    return sequence_fingerprint(batch["input"], batch["labels"]) if fingerprint is None else fingerprint
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:

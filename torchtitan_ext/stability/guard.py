@@ -1,10 +1,11 @@
 """The step guard: skip the optimizer update of a step whose loss or gradient norm is non-finite or spikes,
 and stop the run after too many bad steps in a row.
 
-The decision is made on the device: the rolling window of finite (loss, grad norm) pairs is a device
-tensor updated with ``torch.where``/``index_copy_``, the thresholds and the verdict are device tensors,
-and the only host-device synchronisation is one ``tolist()`` of a 6-element tensor per step (the loop
-needs a host boolean to decide whether to call ``optimizer.step()``, to count skips and to log them).
+Everything happens on the device, with no host read on a step that is not logged: the rolling window of
+finite (loss, grad norm) pairs, the thresholds, the verdict (a 0-d bool the loop hands to the optimizer,
+which then leaves weights and moments untouched) and the counters are device tensors. They are read on
+log steps (``metrics``), where skips since the last log are reported and the consecutive-bad-steps stop
+is checked, and when a checkpoint saves the guard's state.
 """
 
 from __future__ import annotations
@@ -124,6 +125,12 @@ def stop_message(config, first_bad: int, last_bad: int, last_reason: str) -> str
     return "\n".join(lines)
 
 
+# Device counters, one int64 tensor: totals, the current streak, and the latest verdict.
+NONFINITE_TOTAL, SPIKE_TOTAL, STREAK, STREAK_START, LAST_CODE, LAST_BAD_STEP = range(6)
+# The latest decision's values, one float tensor: loss, grad norm, their thresholds, the window's fill.
+LOSS, GRAD_NORM, LOSS_THRESHOLD, GRAD_NORM_THRESHOLD, WINDOW = range(5)
+
+
 class StepGuard(Callback):
     """Non-finite guard, spike guard and the consecutive-bad-steps stop, in one decision per step."""
 
@@ -141,13 +148,10 @@ class StepGuard(Callback):
         self.window: RollingWindow | None = None
         self._mask: torch.Tensor | None = None
         self._loaded_window: dict[str, Any] = {}
-        # Host-side counters (checkpointed).
-        self.skipped_nonfinite = 0
-        self.skipped_spike = 0
-        self.consecutive_bad = 0
-        self.streak_start: int | None = None
-        # The latest decision's host values, for metrics.
-        self._last: dict[str, Any] = {}
+        self._counts: torch.Tensor | None = None  # int64 [6] on the device, created on the first step
+        self._loaded_counts = [0, 0, 0, -1, OK, -1]  # from a checkpoint, until the device is known
+        self._last: torch.Tensor | None = None  # float [5]
+        self._reported_skips = 0  # guard skips already reported in a log line
 
     @property
     def enabled(self) -> bool:
@@ -166,9 +170,9 @@ class StepGuard(Callback):
             self.window.load_state(self._loaded_window)
         return self.window
 
-    def decide(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> list[float]:
-        """Device-side verdict for a step's (global) loss and grad norm, updating the window; returns
-        [code, loss, grad_norm, loss_threshold, grad_norm_threshold, window_count] on the host (the sync)."""
+    def decide(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device-side verdict for a step's (global) loss and grad norm, updating the window: the code
+        (OK, NONFINITE or SPIKE, int64) and the float [5] of values, thresholds and window fill."""
         from torch.distributed.tensor import DTensor
 
         if isinstance(grad_norm, DTensor):
@@ -195,60 +199,71 @@ class StepGuard(Callback):
             # level (e.g. grad norms rising during warmup) widens the window instead of being skipped
             # forever. Non-finite values never enter it.
             window.push(vals, finite)
-        host = torch.cat([code.to(vals.dtype).view(1), vals, thr, count]).tolist()  # the one sync per step
-        return host
+        return code, torch.cat([vals, thr, count])
 
-    def should_skip(self, run, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> str | None:
+    def should_skip(self, run, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor | None:
         if not self.enabled:
             return None
-        code, lv, gv, lt, gt, count = self.decide(global_mean_loss(run, loss), grad_norm)
-        code = int(code)
-        self._last = {"loss_threshold": lt, "grad_norm_threshold": gt, "window": int(count)}
-        if code == OK:
-            self.consecutive_bad = 0
-            self.streak_start = None
-            return None
-        self.consecutive_bad += 1
-        if self.streak_start is None:
-            self.streak_start = step
+        code, last = self.decide(global_mean_loss(run, loss), grad_norm)
+        if self._counts is None:
+            self._counts = torch.tensor(self._loaded_counts, dtype=torch.int64, device=code.device)
+        c = self._counts
+        bad = code != OK
+        streak = torch.where(bad, c[STREAK] + 1, 0)
+        self._counts = torch.stack([
+            c[NONFINITE_TOTAL] + (code == NONFINITE).long(), c[SPIKE_TOTAL] + (code == SPIKE).long(), streak,
+            torch.where(bad, torch.where(c[STREAK] == 0, step, c[STREAK_START]), -1), code,
+            torch.where(bad, step, c[LAST_BAD_STEP]),
+        ])
+        self._last = last
+        return bad
+
+    def _host_counts(self) -> list[int]:
+        return self._counts.tolist() if self._counts is not None else list(self._loaded_counts)
+
+    def _reason(self, code: int, last: list[float]) -> str:
+        lv, gv, lt, gt, count = last
         if code == NONFINITE:
-            self.skipped_nonfinite += 1
-            reason = f"non-finite loss {lv:.6g} / grad_norm {gv:.6g}"
-        else:
-            self.skipped_spike += 1
-            parts = []
-            if self.spike_metric in ("both", "loss") and lv > lt:
-                parts.append(f"loss {lv:.6g} > {lt:.6g}")
-            if self.spike_metric in ("both", "grad_norm") and gv > gt:
-                parts.append(f"grad_norm {gv:.6g} > {gt:.6g}")
-            reason = (f"spike: {', '.join(parts)} (mean + {self.sigma:g} std of the last {int(count)} steps; "
-                      f"loss {lv:.6g}, grad_norm {gv:.6g})")
-        logger.warning("step %d: skipping the optimizer update: %s", step, reason)
-        if self.max_bad and self.consecutive_bad >= self.max_bad:
+            return f"non-finite loss {lv:.6g} / grad_norm {gv:.6g}"
+        parts = []
+        if self.spike_metric in ("both", "loss") and lv > lt:
+            parts.append(f"loss {lv:.6g} > {lt:.6g}")
+        if self.spike_metric in ("both", "grad_norm") and gv > gt:
+            parts.append(f"grad_norm {gv:.6g} > {gt:.6g}")
+        return (f"spike: {', '.join(parts)} (mean + {self.sigma:g} std of the last {int(count)} steps; "
+                f"loss {lv:.6g}, grad_norm {gv:.6g})")
+
+    def metrics(self, run, step: int) -> dict[str, Any]:
+        """On a log step: the counters, this step's skip reason, a warning for the skips since the last
+        log, and the stop after too many bad steps in a row."""
+        if not self.enabled:
+            return {}
+        counts = self._host_counts()
+        last = self._last.tolist() if self._last is not None else [math.nan] * 4 + [0.0]
+        out: dict[str, Any] = {"skipped_nonfinite_steps": counts[NONFINITE_TOTAL],
+                               "consecutive_bad_steps": counts[STREAK]}
+        reason = self._reason(counts[LAST_CODE], last) if counts[LAST_CODE] != OK else None
+        if reason is not None and counts[LAST_BAD_STEP] == step:
+            out["skip_reason"] = reason
+        total = counts[NONFINITE_TOTAL] + counts[SPIKE_TOTAL]
+        if total > self._reported_skips and reason is not None:
+            new = total - self._reported_skips
+            since = "" if new == 1 else f" ({new} steps since the last log)"
+            logger.warning("step %d: skipped the optimizer update%s: %s", counts[LAST_BAD_STEP], since, reason)
+        self._reported_skips = total
+        if self.spike:
+            out["skipped_spike_steps"] = counts[SPIKE_TOTAL]
+            out["spike_loss_threshold"] = last[LOSS_THRESHOLD] if math.isfinite(last[LOSS_THRESHOLD]) else None
+            out["spike_grad_norm_threshold"] = (last[GRAD_NORM_THRESHOLD]
+                                                if math.isfinite(last[GRAD_NORM_THRESHOLD]) else None)
+            out["spike_window"] = int(last[WINDOW])
+        if self.max_bad and counts[STREAK] >= self.max_bad:
             try:  # let an in-flight asynchronous save commit first, so that it can be named
                 run.finish_checkpoints()
             except Exception as e:  # noqa: BLE001 - stopping anyway
                 logger.warning("finishing the checkpoint in flight failed while stopping: %s", e)
             config = self.config if self.config is not None else run.config
-            raise StopTraining(stop_message(config, self.streak_start, step, reason))
-        return reason
-
-    def metrics(self, run, step: int) -> dict[str, Any]:
-        if not self.enabled:
-            return {}
-        out: dict[str, Any] = {
-            "skipped_nonfinite_steps": self.skipped_nonfinite,
-            "consecutive_bad_steps": self.consecutive_bad,
-        }
-        if self.spike:
-            out["skipped_spike_steps"] = self.skipped_spike
-
-            def num(x):
-                return None if x is None or not math.isfinite(x) else x
-
-            out["spike_loss_threshold"] = num(self._last.get("loss_threshold"))
-            out["spike_grad_norm_threshold"] = num(self._last.get("grad_norm_threshold"))
-            out["spike_window"] = self._last.get("window", 0)
+            raise StopTraining(stop_message(config, counts[STREAK_START], counts[LAST_BAD_STEP], reason))
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -256,25 +271,26 @@ class StepGuard(Callback):
             window = self.window.state()
         else:
             window = {"slots": [], "pos": 0, "size": self.window_size, **self._loaded_window}
+        counts = self._host_counts()
         return {
-            "skipped_nonfinite": self.skipped_nonfinite,
-            "skipped_spike": self.skipped_spike,
-            "consecutive_bad": self.consecutive_bad,
-            "streak_start": -1 if self.streak_start is None else self.streak_start,
+            "skipped_nonfinite": counts[NONFINITE_TOTAL],
+            "skipped_spike": counts[SPIKE_TOTAL],
+            "consecutive_bad": counts[STREAK],
+            "streak_start": counts[STREAK_START],
             "window_slots": window["slots"],
             "window_pos": window["pos"],
             "window_size": window["size"],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.skipped_nonfinite = int(state.get("skipped_nonfinite", 0))
-        self.skipped_spike = int(state.get("skipped_spike", 0))
-        self.consecutive_bad = int(state.get("consecutive_bad", 0))
-        start = int(state.get("streak_start", -1))
-        self.streak_start = None if start < 0 else start
+        self._loaded_counts = [int(state.get("skipped_nonfinite", 0)), int(state.get("skipped_spike", 0)),
+                               int(state.get("consecutive_bad", 0)), int(state.get("streak_start", -1)), OK, -1]
+        self._counts = None
+        self._reported_skips = self._loaded_counts[NONFINITE_TOTAL] + self._loaded_counts[SPIKE_TOTAL]
         self._loaded_window = {"slots": [list(map(float, v)) for v in state.get("window_slots", [])],
                                "pos": int(state.get("window_pos", 0)),
                                "size": int(state.get("window_size", self.window_size))}
-        self._last = {"window": min(len(self._loaded_window["slots"]), self.window_size)}
+        filled = min(len(self._loaded_window["slots"]), self.window_size)
+        self._last = torch.tensor([math.nan] * 4 + [float(filled)])
         if self.window is not None:
             self.window.load_state(self._loaded_window)

@@ -25,6 +25,9 @@ class Data:
     """Loader worker processes per rank (0 loads in the training process)."""
     prefetch_factor: int = 2
     """Micro-batches each loader worker prepares ahead (only with num_workers > 0)."""
+    prefetch_batches: int = 2
+    """Micro-batches prepared ahead on a background thread (loading, packing, pinning, fingerprint), so the
+    host work of the next step overlaps the current one; 0 prepares each batch on the training thread."""
     pin_memory: bool = False
     """Return batches in pinned (page-locked) memory for asynchronous host-to-GPU copies. Turned on
     automatically on GPUs unless set explicitly."""

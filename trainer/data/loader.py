@@ -36,7 +36,9 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from trainer.data.prefetch import Prefetcher
 from trainer.errors import ConfigError, DataStateError
+from trainer.fingerprint import sequence_fingerprint
 from trainer.data.pipeline import STAT_KEYS, DataPlan, ShardStream, Window
 from trainer.data.sources import (
     DataError, SourceOptions, SourceSpec, build_source, training_specs, validation_spec,
@@ -68,7 +70,8 @@ def data_seed(config) -> int:
 
 
 def check_data_section(d) -> None:
-    for key, minimum in (("num_shards", 1), ("num_workers", 0), ("prefetch_factor", 1), ("shuffle_window", 1),
+    for key, minimum in (("num_shards", 1), ("num_workers", 0), ("prefetch_factor", 1), ("prefetch_batches", 0),
+                         ("shuffle_window", 1),
                          ("max_document_tokens", 0), ("long_document_windows", 1)):
         value = getattr(d, key)
         if value < minimum:
@@ -149,6 +152,13 @@ def collate_arrays(windows: list[Window], plan: DataPlan) -> dict[str, np.ndarra
         batch["source"] = np.array([w.source for w in windows], dtype=np.int64)
         batch["shard"] = np.array([w.shard for w in windows], dtype=np.int64)
     return batch
+
+
+class MicroBatch(dict):
+    """A micro-batch's tensors by name, with ``fingerprint``: the hash of its sequences (see
+    trainer/fingerprint.py), computed where the batch is made so that the training thread never does."""
+
+    fingerprint: int | None = None
 
 
 def to_tensors(batch: dict[str, np.ndarray], pin_memory: bool = False) -> dict[str, torch.Tensor]:
@@ -261,15 +271,19 @@ class TrainLoader:
     """
 
     def __init__(self, plan: DataPlan, *, dp_rank: int, dp_world_size: int, local_batch_size: int,
-                 global_batch_size: int, num_workers: int = 0, prefetch_factor: int = 2, pin_memory: bool = False):
+                 global_batch_size: int, num_workers: int = 0, prefetch_factor: int = 2, pin_memory: bool = False,
+                 prefetch_batches: int = 0):
         self.plan = plan
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.local_batch_size, self.global_batch_size = local_batch_size, global_batch_size
         self.grad_accum_steps = global_batch_size // (local_batch_size * dp_world_size)
         self.num_workers, self.prefetch_factor, self.pin_memory = num_workers, prefetch_factor, pin_memory
+        self.prefetch_batches = prefetch_batches
         self._start: dict = {"sequences": 0, "shards": {}}
         self._loader = None
         self._iter = None
+        self._prefetcher: Prefetcher | None = None
+        self._consumed_shards: list[dict] = []  # the loader's shard states after the last batch handed out
         self._yielded = 0
 
     @staticmethod
@@ -278,26 +292,43 @@ class TrainLoader:
         return merge_states(states)
 
     def __iter__(self):
+        # Start loading now (and prefetching, with prefetch_batches), before the first batch is asked for.
+        if self._iter is None:
+            self._start_loader()
         return self
 
-    def __next__(self) -> dict[str, torch.Tensor]:
+    def __next__(self) -> MicroBatch:
         if self._iter is None:
-            from torchdata.stateful_dataloader import StatefulDataLoader
-
-            dataset = _RankDataset(self.plan, self.dp_rank, self.dp_world_size, self.local_batch_size,
-                                   copy.deepcopy(self._start))
-            kwargs: dict[str, Any] = {}
-            if self.num_workers > 0:
-                kwargs.update(prefetch_factor=self.prefetch_factor, persistent_workers=False)
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata 0.11 on torch >= 2.9
-                self._loader = StatefulDataLoader(dataset, batch_size=None, num_workers=self.num_workers,
-                                                  collate_fn=_keep, snapshot_every_n_steps=1, **kwargs)
-                self._iter = iter(self._loader)
-            self._yielded = 0
-        batch = next(self._iter)
+            self._start_loader()
+        batch, self._consumed_shards = self._prefetcher.get() if self._prefetcher else self._produce()
         self._yielded += 1
-        return to_tensors(batch, self.pin_memory)
+        return batch
+
+    def _start_loader(self) -> None:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        dataset = _RankDataset(self.plan, self.dp_rank, self.dp_world_size, self.local_batch_size,
+                               copy.deepcopy(self._start))
+        kwargs: dict[str, Any] = {}
+        if self.num_workers > 0:
+            kwargs.update(prefetch_factor=self.prefetch_factor, persistent_workers=False)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata 0.11 on torch >= 2.9
+            self._loader = StatefulDataLoader(dataset, batch_size=None, num_workers=self.num_workers,
+                                              collate_fn=_keep, snapshot_every_n_steps=1, **kwargs)
+            self._iter = iter(self._loader)
+        self._yielded = 0
+        if self.prefetch_batches > 0:
+            self._prefetcher = Prefetcher(self._produce, self.prefetch_batches)
+
+    def _produce(self) -> tuple[MicroBatch, list[dict]]:
+        """The next micro-batch (tensors, pinned if asked, with its fingerprint) and the shard states after
+        it (runs on the prefetch thread when there is one)."""
+        arrays = next(self._iter)
+        shards = _find_dataset_states(self._loader.state_dict())
+        batch = MicroBatch(to_tensors(arrays, self.pin_memory))
+        batch.fingerprint = sequence_fingerprint(arrays["input"], arrays["labels"])
+        return batch, shards
 
     def close(self) -> None:
         """Stop the worker processes (the next ``next()`` starts them again from the current state)."""
@@ -307,6 +338,10 @@ class TrainLoader:
         self._reset()
 
     def _reset(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
+        self._consumed_shards = []
         self._iter = None
         self._loader = None
         self._yielded = 0
@@ -316,8 +351,8 @@ class TrainLoader:
     def state_dict(self) -> dict:
         """This rank's position: local sequences consumed and the state of each of its shards."""
         shards = self._start["shards"]
-        if self._loader is not None and self._yielded:
-            shards = _merge_shards(shards, _find_dataset_states(self._loader.state_dict()))
+        if self._yielded:
+            shards = _merge_shards(shards, self._consumed_shards)
         else:
             shards = copy.deepcopy(shards)
         return {
@@ -510,7 +545,7 @@ def build_train_loader(config, tokenizer, *, dp_rank: int, dp_world_size: int) -
         )
     return TrainLoader(plan, dp_rank=dp_rank, dp_world_size=dp_world_size, local_batch_size=b,
                        global_batch_size=g, num_workers=d.num_workers, prefetch_factor=d.prefetch_factor,
-                       pin_memory=d.pin_memory)
+                       pin_memory=d.pin_memory, prefetch_batches=d.prefetch_batches)
 
 
 def build_val_loader(config, tokenizer, *, dp_rank: int, dp_world_size: int) -> ValLoader:
