@@ -14,7 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("trainer.train", "train in this process (use ./run_train.sh for torchrun and several processes)"),
     "config": ("trainer.config", "print the resolved config as TOML (--markdown: the config reference)"),
     "data": ("trainer.data.cli", "audit a config's data, or tokenize a corpus into token files (prepare)"),
-    "checkpoint": ("trainer.checkpoint", "list or inspect checkpoints"),
+    "checkpoint": ("trainer.checkpoint.cli", "list or inspect checkpoints"),
     "export": ("torchtitan_ext.hf", "export a checkpoint to a Hugging Face Llama folder (safetensors)"),
     "eval": ("torchtitan_ext.lm_eval_model", "score a checkpoint or exported folder with lm-eval"),
     "generate": ("torchtitan_ext.generate", "sample text from a checkpoint"),

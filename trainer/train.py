@@ -147,7 +147,10 @@ class Trainer:
 
         # State that checkpoints carry, then resume if the dump folder has a checkpoint.
         self.state = TrainState()
-        self.checkpointer = CheckpointManager(config, self)
+        self.checkpointer = CheckpointManager(
+            config, model_parts=self.model_parts, optimizer=self.optimizer, lr_schedule=self.lr_schedule,
+            data_loader=self.train_loader, train_state=self.state, callbacks=self.callbacks, device=self.device,
+            dp_rank=self.dp_rank, pp_degree=self.dims.pp, layout=self.dims.describe(), num_params=self.num_params)
         self.checkpointer.load()
 
         # Metrics.
