@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from pathlib import Path
 from typing import Any
 
@@ -113,22 +112,11 @@ def global_mean_loss(trainer, loss: torch.Tensor) -> torch.Tensor:
 
 
 def find_checkpoints(folder: Path) -> list[int]:
-    """Steps of the complete ``step-N`` checkpoints in ``folder``, ascending (the checkpoint manager's own
-    validation where available: commit marker present, files whole)."""
-    folder = Path(folder)
-    try:
-        from trainer.checkpoint import scan_folder
-    except ImportError:
-        scan_folder = None
-    if scan_folder is not None:
-        try:
-            return sorted(c.step for c in scan_folder(folder) if c.complete)
-        except Exception as e:  # noqa: BLE001 - fall back to the folder names
-            logger.debug("scan_folder(%s) failed: %s", folder, e)
-    if not folder.is_dir():
-        return []
-    return sorted(int(m.group(1)) for p in folder.iterdir()
-                  if (m := re.fullmatch(r"step-(\d+)", p.name)) and p.is_dir())
+    """Steps of the complete ``step-N`` checkpoints in ``folder``, ascending (the checkpoint layout's own
+    scanner: commit marker present, files whole)."""
+    from trainer.checkpoint import scan_folder
+
+    return [c.step for c in scan_folder(Path(folder)) if c.complete]
 
 
 def stop_message(config, first_bad: int, last_bad: int, last_reason: str) -> str:
