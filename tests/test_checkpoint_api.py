@@ -119,8 +119,8 @@ def _components(seed: int):
     torch.manual_seed(seed)
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return dict(model_parts=[model], optimizer=optimizer, train_state=TrainState(), data_loader=_Loader(),
-                callbacks=_Callbacks(), device=torch.device("cpu"))
+    return {"model_parts": [model], "optimizer": optimizer, "train_state": TrainState(), "data_loader": _Loader(),
+            "callbacks": _Callbacks(), "device": torch.device("cpu")}
 
 
 def test_manager_over_explicit_components(tmp_path):
