@@ -205,18 +205,16 @@ def test_seed_checkpoint_and_initial_load(base, tmp_path, mp):
 
 
 def test_initial_load_in_hf_errors_are_clear(tmp_path, mp):
-    """Loading Hugging Face weights goes through torchtitan_ext.hf.load_hf_into; without it a config
-    error says so, and a folder that is not a Hugging Face checkpoint stops the run with the cause."""
+    """Hugging Face weights load through the core's trainer.models.llama.hf_adapter.load_hf_into: a folder
+    that is not a Hugging Face checkpoint stops the run with the cause, a missing one is a config error."""
     not_hf = tmp_path / "not_hf"
     not_hf.mkdir()
     rc, log = train(tmp_path / "run", "--training.steps", "1", "--checkpoint.initial_load_in_hf",
                     "--checkpoint.initial_load_path", str(not_hf), monkeypatch=mp)
-    try:
-        from torchtitan_ext.hf import load_hf_into  # noqa: F401
-    except ImportError:
-        assert rc == 2 and "torchtitan_ext.hf.load_hf_into" in log, log
-    else:
-        assert rc == 3 and "(Hugging Face) could not be loaded" in log, log
+    assert rc == 3 and "(Hugging Face) could not be loaded" in log and "no config.json" in log, log
+    rc, log = train(tmp_path / "run2", "--training.steps", "1", "--checkpoint.initial_load_in_hf",
+                    "--checkpoint.initial_load_path", str(tmp_path / "missing"), monkeypatch=mp)
+    assert rc == 2 and "no such folder" in log, log
 
 
 def test_failed_async_save_stops_the_run(tmp_path, mp):

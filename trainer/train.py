@@ -157,7 +157,10 @@ class Trainer:
         self.state = TrainState()
         self.run_view = self.build_run_view()
         self.callbacks.on_model_built(self.run_view)
-        self.checkpointer = CheckpointManager(config, self)
+        self.checkpointer = CheckpointManager(
+            config, model_parts=self.model_parts, optimizer=self.optimizer, lr_schedule=self.lr_schedule,
+            data_loader=self.train_loader, train_state=self.state, callbacks=self.callbacks, device=self.device,
+            dp_rank=self.dp_rank, pp_degree=self.dims.pp, layout=self.dims.describe(), num_params=self.num_params)
         self.checkpointer.load()
         if self.state.resumed_from_step is not None:
             self.callbacks.on_checkpoint_loaded(self.run_view, self.state.resumed_from_step)

@@ -125,7 +125,7 @@ def _check_observability(config) -> None:
 
 
 def _check_checkpoint(config) -> None:
-    from trainer.checkpoint import STATE_KEYS
+    from trainer.checkpoint.state import STATE_KEYS
 
     cfg = config.checkpoint
     unknown = [k for k in cfg.exclude_from_loading if k not in STATE_KEYS]

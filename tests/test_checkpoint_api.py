@@ -1,0 +1,148 @@
+"""The checkpoint package's pieces on their own: the one folder scanner and its naming rule (shared by the
+trainer, the offline tools and the stability guard), the ranks' agreement on failures, and the manager
+over explicit components (no Trainer) in one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from trainer.checkpoint import (
+    MARKER,
+    CheckpointManager,
+    CheckpointNotFound,
+    TrainState,
+    find_checkpoint,
+    inspect_checkpoint,
+    locate_folder,
+    scan_folder,
+)
+from trainer.checkpoint.agree import Collectives
+from trainer.config import load_config
+
+
+def _commit_marker(folder, step, files=None):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / ".metadata").write_bytes(b"x" * 10)
+    files = files or {".metadata": 10}
+    (folder / MARKER).write_text(json.dumps({"format": 1, "step": step, "kind": "full", "files": files}))
+
+
+def test_one_scanner_one_naming_rule(tmp_path):
+    ckpt = tmp_path / "checkpoint"
+    _commit_marker(ckpt / "step-2", 2)
+    _commit_marker(ckpt / "step-4", 4, files={".metadata": 10, "__0_0.distcp": 5})  # a listed file is missing
+    (ckpt / "step-6.tmp").mkdir()
+    (ckpt / "step-8").mkdir()
+    (ckpt / "step-8" / ".metadata").write_bytes(b"y")  # a plain dcp.save by another tool: no marker
+    for other in ("step_10", "step-x", "notes"):
+        (ckpt / other).mkdir()
+    infos = {c.path.name: c for c in scan_folder(ckpt)}
+    assert list(infos) == ["step-2", "step-4", "step-6.tmp", "step-8"]
+    assert [infos[n].status for n in infos] == ["complete", "corrupt", "incomplete", "incomplete"]
+    assert infos["step-6.tmp"].leftover and not infos["step-8"].leftover
+    assert infos["step-8"].unmarked and infos["step-8"].readable and not infos["step-8"].complete
+    assert "__0_0.distcp is missing" in infos["step-4"].reason
+    # The offline readers use the same scanner: another tool's finished save is the newest readable one.
+    assert locate_folder(tmp_path) == ckpt
+    assert find_checkpoint(tmp_path) == ckpt / "step-8"
+    with pytest.raises(CheckpointNotFound, match="corrupt"):
+        find_checkpoint(tmp_path, step=4)
+    # A folder outside the naming rule is inspected on its own (its step from the marker).
+    _commit_marker(tmp_path / "exported", 7)
+    assert inspect_checkpoint(tmp_path / "exported").step == 7
+    # The stability guard names the same checkpoints.
+    from torchtitan_ext.stability.guard import find_checkpoints
+
+    assert find_checkpoints(ckpt) == [2]
+
+
+def _agree_worker(rank: int, world: int, port: int, errors: list, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        comm = Collectives(dist.new_group(backend="gloo"))
+        out.put((rank, comm.agree(errors[rank]), comm.agree(None)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_all_ranks_agree_on_failure_reasons():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    errors = ["z: disk full", None, "a: other"]
+    mp.start_processes(_agree_worker, args=(3, port, errors, out), nprocs=3, start_method="spawn")
+    results = sorted(out.get() for _ in range(3))
+    assert [r[0] for r in results] == [0, 1, 2]
+    for _, failed, succeeded in results:  # the same sorted distinct reasons on every rank
+        assert failed == ["a: other", "z: disk full"] and succeeded == []
+
+
+class _Loader:
+    """A data loader's checkpoint interface: per-rank state, merged over ranks, restored globally."""
+
+    def __init__(self):
+        self.position = 0
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    @staticmethod
+    def merge_states(states):
+        return {"position": states[0]["position"]}
+
+    def load_global_state(self, state):
+        self.position = state["position"]
+
+
+class _Callbacks:
+    def __init__(self):
+        self.state = {"skips": 0}
+
+    def state_dict(self):
+        return dict(self.state)
+
+    def load_state_dict(self, sd):
+        self.state = dict(sd)
+
+
+def _components(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return {"model_parts": [model], "optimizer": optimizer, "train_state": TrainState(), "data_loader": _Loader(),
+            "callbacks": _Callbacks(), "device": torch.device("cpu")}
+
+
+def test_manager_over_explicit_components(tmp_path):
+    config = load_config(["--job.dump_folder", str(tmp_path), "--checkpoint.enable", "--training.steps", "10",
+                          "--checkpoint.interval", "5"], env={})
+    parts = _components(0)
+    model, optimizer = parts["model_parts"][0], parts["optimizer"]
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    parts["train_state"].step, parts["train_state"].tokens_seen = 5, 640
+    parts["data_loader"].position, parts["callbacks"].state = 17, {"skips": 2}
+    manager = CheckpointManager(config, **parts)
+    manager.maybe_save(5)
+    assert manager.saves == 1 and manager.metrics() == {"checkpoint_failures": 0}
+    assert [(c.step, c.kind) for c in scan_folder(tmp_path / "checkpoint")] == [(5, "full")]
+
+    fresh = _components(1)
+    resumed = CheckpointManager(config, **fresh)
+    resumed.load()
+    assert resumed.loaded_step == 5 and fresh["train_state"].resumed_from_step == 5
+    assert fresh["train_state"].tokens_seen == 640 and fresh["data_loader"].position == 17
+    assert fresh["callbacks"].state == {"skips": 2}
+    assert torch.equal(fresh["model_parts"][0].weight, model.weight)
+    saved = optimizer.state_dict()["state"][0]["exp_avg"]
+    assert torch.equal(fresh["optimizer"].state_dict()["state"][0]["exp_avg"], saved)

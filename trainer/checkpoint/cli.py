@@ -1,0 +1,178 @@
+"""``trainer checkpoint list|inspect PATH`` (also ``python -m trainer.checkpoint ...``): what a dump folder's
+checkpoints are and hold, from their commit markers and DCP metadata, without a process group."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from trainer.checkpoint.agree import ERRORS, format_exception
+from trainer.checkpoint.layout import (
+    DCP_METADATA,
+    MARKER,
+    human_bytes,
+    locate_folder,
+    parse_dirname,
+    scan_folder,
+    tree_size,
+    validate_checkpoint,
+)
+
+_MARKER_FIELDS = ("step", "kind", "dtype", "tokens_seen", "skipped_steps", "lr", "layout", "world_size", "saved_at",
+                  "save_seconds", "torch", "dataloader")
+
+
+def _error(msg: str) -> int:
+    print(f"error: {msg}", file=sys.stderr)
+    return 1
+
+
+def _rows(folder: Path) -> list[dict[str, Any]]:
+    rows = []
+    for c in scan_folder(folder):
+        m = c.marker
+        rows.append({"name": c.path.name, "step": c.step, "status": c.status, "kind": m.get("kind", "-"),
+                     "tokens_seen": m.get("tokens_seen"), "bytes": m.get("bytes") if c.complete else tree_size(c.path),
+                     "saved_at": m.get("saved_at", "-"), "layout": m.get("layout", "-"), "reason": c.reason,
+                     "path": str(c.path)})
+    return rows
+
+
+def _print_rows(folder: Path, rows: list[dict[str, Any]]) -> None:
+    print(f"checkpoints in {folder}:")
+    print(f"{'step':>8}  {'status':<10}  {'kind':<10}  {'tokens':>14}  {'size':>10}  saved at")
+    for r in rows:
+        tokens = f"{r['tokens_seen']:,}" if isinstance(r["tokens_seen"], int) else "-"
+        line = (f"{r['step']:>8}  {r['status']:<10}  {r['kind']:<10}  {tokens:>14}  {human_bytes(r['bytes']):>10}  "
+                f"{r['saved_at']}")
+        if r["reason"]:
+            line += f"  ({r['name']}: {r['reason']})"
+        print(line)
+    latest = [r for r in rows if r["status"] == "complete"]
+    full = [r for r in latest if r["kind"] == "full"]
+    if not latest:
+        print("no complete checkpoint: a run would start from scratch")
+    elif latest[-1]["kind"] == "full" or not full:
+        print(f"a run with this dump folder resumes from step {latest[-1]['step']}")
+    else:
+        print(f"step {latest[-1]['step']} holds only weights ({latest[-1]['kind']}): a run with this dump folder "
+              f"and more training.steps resumes from step {full[-1]['step']}, the newest with optimizer state")
+
+
+def _list(args) -> int:
+    path = Path(args.path)
+    if not path.is_dir():
+        return _error(f"no such folder: {path}")
+    folder = locate_folder(path)
+    rows = _rows(folder)
+    if args.json:
+        print(json.dumps({"folder": str(folder), "checkpoints": rows}, indent=1))
+    elif not rows:
+        print(f"no checkpoints in {folder}")
+    else:
+        _print_rows(folder, rows)
+    return 0
+
+
+def _entries(path: Path) -> dict[str, Any]:
+    """Every DCP entry of a checkpoint: shape and dtype of tensors, ``object`` for the rest."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    entries: dict[str, Any] = {}
+    for key, value in FileSystemReader(str(path)).read_metadata().state_dict_metadata.items():
+        if isinstance(value, TensorStorageMetadata):
+            entries[key] = {"shape": list(value.size), "dtype": str(value.properties.dtype).replace("torch.", "")}
+        else:
+            entries[key] = {"object": True}
+    return entries
+
+
+def _groups(entries: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Entry, tensor and element counts per top-level entry (model, optimizer, ...)."""
+    groups: dict[str, dict[str, int]] = {}
+    for key, v in entries.items():
+        g = groups.setdefault(key.split(".", 1)[0], {"entries": 0, "tensors": 0, "elements": 0})
+        g["entries"] += 1
+        if "shape" in v:
+            g["tensors"] += 1
+            g["elements"] += math.prod(v["shape"])
+    return groups
+
+
+def _describe(path: Path, keys: bool) -> dict[str, Any]:
+    """What ``inspect`` reports of one checkpoint folder."""
+    status, reason, marker = validate_checkpoint(path)
+    out: dict[str, Any] = {"path": str(path), "status": status, "reason": reason, "marker": marker}
+    entries: dict[str, Any] = {}
+    try:
+        entries = _entries(path)
+    except ERRORS as e:
+        out["metadata_error"] = format_exception(e)
+        if status == "complete":
+            out["status"] = "corrupt"
+            out["reason"] = f"DCP metadata unreadable: {out['metadata_error']}"
+    out["groups"] = _groups(entries)
+    if keys:
+        out["entries"] = entries
+    return out
+
+
+def _print_description(out: dict[str, Any]) -> None:
+    marker = out["marker"]
+    print(f"{out['path']}: {out['status'].upper()}" + (f" ({out['reason']})" if out["reason"] else ""))
+    for k in _MARKER_FIELDS:
+        if k in marker:
+            print(f"  {k:<14} {marker[k]}")
+    if "bytes" in marker:
+        print(f"  {'size':<14} {human_bytes(marker['bytes'])} in {len(marker.get('files', {}))} files")
+    if "metadata_error" in out:
+        print(f"  DCP metadata unreadable: {out['metadata_error']}")
+    for name, g in out["groups"].items():
+        extra = f", {g['elements']:,} elements" if g["tensors"] else ""
+        print(f"  [{name}] {g['entries']} entries, {g['tensors']} tensors{extra}")
+    for key, v in out.get("entries", {}).items():
+        print(f"    {key}  " + (f"{v['dtype']} {v['shape']}" if "shape" in v else "(object)"))
+
+
+def _inspect(args) -> int:
+    path = Path(args.path)
+    if not path.is_dir():
+        return _error(f"no such folder: {path}")
+    if parse_dirname(path.name) is None and not (path / MARKER).exists() and not (path / DCP_METADATA).exists():
+        infos = [c for c in scan_folder(locate_folder(path)) if c.complete]
+        if not infos:
+            return _error(f"no complete checkpoint under {path}")
+        path = infos[-1].path
+    out = _describe(path, args.keys)
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        _print_description(out)
+    return 0 if out["status"] == "complete" else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``trainer checkpoint list PATH`` / ``trainer checkpoint inspect PATH``; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="trainer checkpoint", description="List and inspect checkpoints.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("list", help="the checkpoints of a dump folder or checkpoint folder")
+    p.add_argument("path", help="a job.dump_folder or its checkpoint folder")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = sub.add_parser("inspect", help="one checkpoint: its marker, completeness and contents")
+    p.add_argument("path", help="a step-N folder (or a dump folder: its latest complete checkpoint)")
+    p.add_argument("--keys", action="store_true", help="list every entry with its shape and dtype")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    args = parser.parse_args(argv)
+    try:
+        return _list(args) if args.command == "list" else _inspect(args)
+    except BrokenPipeError:  # pragma: no cover - e.g. piped into head
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""The on-disk layout of checkpoints: folder names, the commit marker, validation and the one scanner.
+
+Under ``<job.dump_folder>/<checkpoint.folder>/``::
+
+    step-40/                  a committed checkpoint: complete, the only kind that is ever loaded
+        .metadata             DCP metadata (global shapes, which file holds which shard)
+        __0_0.distcp ...      DCP data, one file per writing rank
+        dataloader.json       the merged (layout-free) data-loader state, written by rank 0
+        checkpoint.json       the commit marker, written last: step, tokens, kind, files and their sizes
+    step-60.tmp/              a save in progress, or one interrupted by a crash (ignored, removed on start)
+    step-60.replaced/         the previous step-60 while a save of the same step replaces it
+
+A folder is complete only when its marker is readable and every file it lists is present with its
+recorded size. Every place that lists or validates checkpoint folders (the manager, the command line,
+the offline readers of ``trainer export/eval/generate``, the stability guard) goes through
+:func:`scan_folder` / :func:`inspect_checkpoint`, so there is one naming rule and one notion of
+"complete". Nothing here needs a process group.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainer.errors import CheckpointError
+
+FORMAT_VERSION = 1
+MARKER = "checkpoint.json"
+DATALOADER_JSON = "dataloader.json"
+DATALOADER_PT = "dataloader.pt"
+DCP_METADATA = ".metadata"
+TMP_SUFFIX = ".tmp"
+OLD_SUFFIX = ".replaced"
+DEFAULT_FOLDER = "checkpoint"  # checkpoint.folder's default, relative to the dump folder
+RUN_CONFIG = "config.toml"  # the resolved config a run writes into its dump folder
+
+_NAME_RE = re.compile(r"^step-(\d+)(\.tmp|\.replaced)?$")
+
+
+def step_dirname(step: int, suffix: str = "") -> str:
+    """The folder name of ``step``: ``step-N`` when committed, ``step-N.tmp`` while being written."""
+    return f"step-{step}{suffix}"
+
+
+def parse_dirname(name: str) -> tuple[int, str] | None:
+    """(step, suffix) of a checkpoint folder name (suffix "" for a committed name), None for other names."""
+    m = _NAME_RE.match(name)
+    return (int(m.group(1)), m.group(2) or "") if m else None
+
+
+@dataclass
+class CheckpointInfo:
+    """One checkpoint folder as found on disk (nothing loaded)."""
+
+    path: Path
+    step: int
+    status: str  # "complete", "incomplete" (an interrupted save), "corrupt"
+    reason: str = ""
+    marker: dict = field(default_factory=dict)
+    # No commit marker but DCP metadata: a finished plain ``dcp.save`` by another tool (DCP writes its
+    # metadata last). Never resumed from; the offline tools and initial_load_path accept it.
+    unmarked: bool = False
+
+    @property
+    def kind(self) -> str:
+        return self.marker.get("kind", "?")
+
+    @property
+    def complete(self) -> bool:
+        return self.status == "complete"
+
+    @property
+    def has_optimizer(self) -> bool:
+        return self.complete and self.kind == "full"
+
+    @property
+    def leftover(self) -> bool:
+        """A save in progress or its remains (``step-N.tmp``, ``step-N.replaced``), never a checkpoint."""
+        return self.path.name.endswith((TMP_SUFFIX, OLD_SUFFIX))
+
+    @property
+    def readable(self) -> bool:
+        """DCP can load it: a committed checkpoint, or another tool's finished DCP save."""
+        return self.complete or self.unmarked
+
+
+def validate_checkpoint(path: Path) -> tuple[str, str, dict]:
+    """(status, reason, marker) of a committed ``step-N`` folder: complete only when the commit marker is
+    readable and every file it lists is present with its recorded size."""
+    path = Path(path)
+    marker_path = path / MARKER
+    if not marker_path.is_file():
+        what = "DCP metadata present" if (path / DCP_METADATA).exists() else "no DCP metadata"
+        return "incomplete", f"no commit marker {MARKER} ({what}): not written by a finished save", {}
+    try:
+        marker = json.loads(marker_path.read_text())
+    except (OSError, ValueError) as e:
+        return "corrupt", f"commit marker unreadable: {e}", {}
+    if not isinstance(marker, dict) or marker.get("format") != FORMAT_VERSION:
+        found = marker.get("format") if isinstance(marker, dict) else marker
+        return "corrupt", f"commit marker has an unknown format ({found!r})", {}
+    parsed = parse_dirname(path.name)
+    if parsed and parsed[0] != marker.get("step"):
+        return "corrupt", f"commit marker says step {marker.get('step')}, the folder is {path.name}", marker
+    files = marker.get("files") or {}
+    if DCP_METADATA not in files:
+        return "corrupt", "commit marker lists no DCP metadata", marker
+    for name, size in files.items():
+        try:
+            actual = (path / name).stat().st_size
+        except OSError:
+            return "corrupt", f"{name} is missing", marker
+        if actual != size:
+            return "corrupt", f"{name} has {actual} bytes, {size} were written (truncated or overwritten)", marker
+    return "complete", "", marker
+
+
+def inspect_checkpoint(path: Path) -> CheckpointInfo:
+    """One checkpoint folder, validated. Its name need not be ``step-N`` (a folder given on the command
+    line or as initial_load_path); the step is then the marker's (0 without one)."""
+    path = Path(path)
+    parsed = parse_dirname(path.name)
+    if parsed and parsed[1] == TMP_SUFFIX:
+        return CheckpointInfo(path, parsed[0], "incomplete", "interrupted save (never committed)")
+    if parsed and parsed[1] == OLD_SUFFIX:
+        return CheckpointInfo(path, parsed[0], "incomplete", "left over from replacing a checkpoint")
+    status, reason, marker = validate_checkpoint(path)
+    step = parsed[0] if parsed else marker.get("step", 0)
+    step = step if isinstance(step, int) else 0
+    unmarked = not (path / MARKER).exists() and (path / DCP_METADATA).is_file()
+    return CheckpointInfo(path, step, status, reason, marker, unmarked)
+
+
+def scan_folder(folder: Path) -> list[CheckpointInfo]:
+    """Every ``step-N``-like entry of a checkpoint folder, oldest first (committed ones validated)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    out = [inspect_checkpoint(entry) for entry in folder.iterdir()
+           if parse_dirname(entry.name) is not None and entry.is_dir()]
+    out.sort(key=lambda c: (c.step, c.path.name))
+    return out
+
+
+def configured_folder(dump_folder: Path) -> str:
+    """checkpoint.folder of the run whose dump folder this is (from its config.toml), else the default."""
+    cfg = Path(dump_folder) / RUN_CONFIG
+    if not cfg.is_file():
+        return DEFAULT_FOLDER
+    try:
+        import tomllib
+    except ImportError:  # pragma: no cover - Python 3.10
+        import tomli as tomllib
+    try:
+        name = tomllib.loads(cfg.read_text()).get("checkpoint", {}).get("folder", DEFAULT_FOLDER)
+    except (OSError, ValueError):  # an unreadable config: the default name
+        return DEFAULT_FOLDER
+    return name if isinstance(name, str) and name else DEFAULT_FOLDER
+
+
+def checkpoint_folders(path: Path) -> list[Path]:
+    """Where the checkpoints of ``path`` may be, in the order to look: ``path`` itself (a checkpoint
+    folder), the folder its config.toml names (a dump folder), the default folder name."""
+    path = Path(path)
+    return list(dict.fromkeys([path, path / configured_folder(path), path / DEFAULT_FOLDER]))
+
+
+def locate_folder(path: Path) -> Path:
+    """The checkpoint folder of ``path`` (a checkpoint folder or a dump folder): the first of
+    :func:`checkpoint_folders` holding step folders, else the one its run would write to."""
+    path = Path(path)
+    return next((f for f in checkpoint_folders(path) if scan_folder(f)), path / configured_folder(path))
+
+
+# --------------------------------------------------------------------------------------------------
+# Sizes and atomic writes
+# --------------------------------------------------------------------------------------------------
+
+
+def tree_size(path: Path) -> int:
+    """Bytes of the files under ``path`` (links not followed; vanished files skipped)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes as e.g. ``12.3 MiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or new file in ``path`` durable (best effort: some filesystems refuse)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_file_atomic(path: Path, data: bytes) -> None:
+    """Write ``path`` so that a crash leaves either the old file or the whole new one, never a part."""
+    tmp = path.with_name(path.name + ".part")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def commit(tmp: Path, final: Path, marker: dict) -> None:
+    """Turn a finished save in ``tmp`` into the committed checkpoint ``final``: record every file and its
+    size in the marker (written last), then rename. A checkpoint of the same step already there is
+    replaced (moved aside first, so that one of them is always complete)."""
+    files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file() and p.name != MARKER}
+    if DCP_METADATA not in files:
+        raise CheckpointError(f"{tmp} has no DCP metadata after the save")
+    marker["files"] = files
+    marker["bytes"] = sum(files.values())
+    marker["saved_at"] = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
+    write_file_atomic(tmp / MARKER, json.dumps(marker, indent=1).encode())
+    fsync_dir(tmp)
+    old = None
+    if final.exists():  # the same step saved again (e.g. a resumed run passing it once more)
+        old = final.with_name(final.name + OLD_SUFFIX)
+        if old.exists():
+            shutil.rmtree(old)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

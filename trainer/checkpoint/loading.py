@@ -1,0 +1,332 @@
+"""Loading: resume from the newest usable checkpoint of the dump folder, or start from
+``checkpoint.initial_load_path`` (a checkpoint, or a Hugging Face folder).
+
+Rank 0 decides which checkpoints to try (it scans the folder and reports what it finds); every rank
+then loads with no collectives besides DCP's own, and all ranks agree on the outcome before anything
+else happens: on damage the previous checkpoint is tried, on a checkpoint that does not fit this run's
+config the run stops with the cause and a way out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import shutil
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from trainer.checkpoint.agree import ERRORS, Collectives, attempt, format_exception
+from trainer.checkpoint.layout import (
+    DCP_METADATA,
+    MARKER,
+    CheckpointInfo,
+    inspect_checkpoint,
+    scan_folder,
+)
+from trainer.checkpoint.state import (
+    STATE_KEYS,
+    Components,
+    TrainState,
+    load_loader_global_state,
+    unpickle_bytes,
+)
+from trainer.errors import CheckpointError, ConfigError
+from trainer.models.llama.hf_adapter import load_hf_into
+
+logger = logging.getLogger("trainer")
+
+
+class _Incompatible(Exception):
+    """A checkpoint was read but does not fit this run's config (not damage: older ones would not fit
+    either)."""
+
+
+def _metadata_keys(path: Path) -> set[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata.keys())
+
+
+def _present(prefix: str, keys: set[str]) -> bool:
+    return prefix in keys or any(k.startswith(prefix + ".") for k in keys)
+
+
+class Loader:
+    """Loads checkpoints of ``folder`` (or ``cfg.initial_load_path``) into ``components``."""
+
+    def __init__(self, cfg, folder: Path, components: Components, comm: Collectives, training_steps: int):
+        self.cfg = cfg
+        self.folder = folder
+        self.components = components
+        self.comm = comm
+        self.training_steps = training_steps
+        self.loaded_step: int | None = None
+
+    def load(self, resume: bool) -> None:
+        """Resume from the folder's latest complete checkpoint (or ``load_step``) when ``resume``, else or
+        when there is none start from ``initial_load_path`` if set."""
+        cfg = self.cfg
+        candidates: list[CheckpointInfo] = []
+        if resume:
+            candidates = self.comm.broadcast(self._choose_candidates() if self.comm.rank == 0 else None)
+            if isinstance(candidates, str):  # an error decided by rank 0
+                raise CheckpointError(candidates)
+        elif cfg.load_step >= 0 and self.comm.rank == 0:
+            logger.warning("checkpoint.load_step=%d is ignored: checkpoint.enable is false", cfg.load_step)
+        if candidates:
+            if cfg.initial_load_path and self.comm.rank == 0:
+                logger.info("checkpoint.initial_load_path is ignored: %s holds checkpoints to resume from",
+                            self.folder)
+            self._load_first(candidates, explicit=cfg.load_step >= 0)
+        elif cfg.initial_load_path:
+            self._initial_load()
+
+    # ----------------------------------------------------------------------------------------------
+    # Resuming
+    # ----------------------------------------------------------------------------------------------
+
+    def _choose_candidates(self) -> list[CheckpointInfo] | str:
+        """Rank 0: report what the folder holds and order the checkpoints to try (newest usable first)."""
+        infos = scan_folder(self.folder)
+        for c in infos:
+            if c.status == "incomplete" and c.leftover:
+                logger.warning("checkpoint %s is incomplete (%s): ignored and removed", c.path.name, c.reason)
+                shutil.rmtree(c.path, ignore_errors=True)
+            elif not c.complete:
+                logger.error("checkpoint %s is %s (%s): skipped", c.path.name, c.status.upper(), c.reason)
+        complete = [c for c in infos if c.complete]
+        if self.cfg.load_step >= 0:
+            chosen = [c for c in complete if c.step == self.cfg.load_step]
+            if not chosen:
+                return (f"checkpoint.load_step={self.cfg.load_step}: no complete checkpoint step-{self.cfg.load_step} "
+                        f"in {self.folder}; complete ones: {[c.step for c in complete] or 'none'}")
+            return chosen
+        if not complete:
+            return []
+        complete.reverse()  # newest first
+        newest = complete[0]
+        if newest.kind != "full" and 0 < newest.step < self.training_steps:
+            full = [c for c in complete if c.kind == "full"]
+            if not full:
+                return (f"the newest checkpoint {newest.path} holds only model weights ({newest.kind}), so training "
+                        f"cannot continue exactly from it, and no earlier checkpoint has optimizer state. Continue "
+                        f"from its weights with a new job.dump_folder and checkpoint.initial_load_path={newest.path} "
+                        f"(optimizer restarts), or keep full final saves with checkpoint.last_save_model_only=false")
+            logger.warning("checkpoint %s holds only model weights (a final export, checkpoint.last_save_model_only); "
+                           "resuming from %s, the newest one with optimizer state", newest.path.name, full[0].path.name)
+            return full
+        if newest.kind != "full":
+            # A seed checkpoint (step 0) or a finished run's export: weights only, then fall back to full ones.
+            return [newest] + [c for c in complete[1:] if c.kind == "full"]
+        return [c for c in complete if c.kind == "full" or c.step == 0]
+
+    def _try_load(self, c: CheckpointInfo) -> tuple[dict, str | None, bool]:
+        """(report, error, whether the error means the checkpoint does not fit) of loading ``c`` here."""
+        try:
+            report = self._load_checkpoint(c.path, c.marker, model_only=c.kind != "full",
+                                           exclude=set(self.cfg.exclude_from_loading))
+            return report, None, False
+        except _Incompatible as e:
+            return {}, str(e), True
+        except ERRORS as e:
+            logger.debug("loading %s failed:\n%s", c.path, traceback.format_exc())
+            return {}, format_exception(e), False
+
+    def _load_first(self, candidates: list[CheckpointInfo], explicit: bool) -> None:
+        """Load the first candidate that every rank loads; damaged ones are skipped unless ``explicit``."""
+        errors = []
+        train_state = self.components.train_state
+        for c in candidates:
+            report, error, incompatible = self._try_load(c)
+            reasons = self.comm.agree(error)
+            if reasons and self.comm.any(incompatible):
+                raise CheckpointError(f"checkpoint {c.path} does not fit this run's config: {' | '.join(reasons)}")
+            if not reasons:
+                self.loaded_step = c.step
+                if "train_state" in report.get("restored", ()) and train_state.step > 0:
+                    train_state.resumed_from_step = train_state.step  # not for a seed
+                self._report_load(c.path, c.marker, report)
+                return
+            msg = " | ".join(reasons)
+            errors.append(f"{c.path.name}: {msg}")
+            if self.comm.rank == 0:
+                logger.error("checkpoint %s could not be loaded (%s)%s", c.path.name, msg,
+                             "" if explicit else "; trying the previous one")
+            if explicit:
+                break
+        raise CheckpointError("no checkpoint could be loaded: " + "; ".join(errors) +
+                              ". Move the folder aside to start from scratch, or pick one with checkpoint.load_step")
+
+    # ----------------------------------------------------------------------------------------------
+    # One checkpoint, on this rank
+    # ----------------------------------------------------------------------------------------------
+
+    def _load_checkpoint(self, path: Path, marker: dict, model_only: bool, exclude: set[str],
+                         restore_train_state: bool = True) -> dict:
+        """Load one checkpoint into the components on this rank (no collectives besides DCP's own, so that
+        a rank that fails here cannot leave the others waiting). Raises on any problem; everything is read
+        before the non-tensor state is touched. Returns what was restored, for the report."""
+        t0 = time.perf_counter()
+        want = set(STATE_KEYS) - exclude
+        if model_only:
+            want &= {"model", "train_state"}
+        if not restore_train_state:
+            want &= {"model", "optimizer"}
+        state = self._read(path, want)
+        loader_state = None
+        if "dataloader" in want and marker.get("dataloader"):
+            f = path / marker["dataloader"]
+            loader_state = json.loads(f.read_text()) if f.suffix == ".json" else unpickle_bytes(f.read_bytes())
+        callbacks_state = unpickle_bytes(state["callbacks"]) if "callbacks" in state else None
+        # Everything was read: now apply it.
+        self._apply(state, callbacks_state, loader_state)
+        if "rng" in state:
+            self.components.set_rng_state(state["rng"][f"rank_{self.comm.rank}"])
+        restored = set(state) - {"rng"} | ({"dataloader"} if loader_state is not None else set())
+        return {"restored": restored, "rng": "rng" in state, "seconds": time.perf_counter() - t0,
+                "lr_scheduler": state.get("lr_scheduler")}
+
+    def _read(self, path: Path, want: set[str]) -> dict[str, Any]:
+        """The DCP entries of ``want`` that ``path`` holds, read into this run's (sharded) state."""
+        import torch.distributed.checkpoint as dcp
+
+        c = self.components
+        keys = _metadata_keys(path)
+        state: dict[str, Any] = {}
+        if "model" in want:
+            if not _present("model", keys):
+                raise CheckpointError(f"{path} has no 'model' entry")
+            state["model"] = c.model_state()
+        if "optimizer" in want:
+            if not _present("optimizer", keys):
+                raise CheckpointError(f"{path} has no optimizer state (a model-only checkpoint?)")
+            state["optimizer"] = c.optimizer_state()
+        if "train_state" in want and _present("train_state", keys):
+            state["train_state"] = TrainState().state_dict()
+        if "callbacks" in want and "callbacks" in keys:
+            state["callbacks"] = b""
+        if "lr_scheduler" in want and _present("lr_scheduler", keys):
+            state["lr_scheduler"] = {"step": 0, "lr": 0.0}
+        rng_key = f"rng.rank_{self.comm.rank}"
+        if "rng" in want and _present(rng_key, keys):
+            state["rng"] = {f"rank_{self.comm.rank}": {k: v for k, v in c.rng_state().items()
+                                                       if f"{rng_key}.{k}" in keys}}
+        if state:
+            dcp.load(state, checkpoint_id=str(path), process_group=self.comm.pg)
+        return state
+
+    def _apply(self, state: dict, callbacks_state: Any, loader_state: Any) -> None:
+        """Restore what was read. A failure here means the checkpoint does not fit this run (changed data,
+        batch layout, callbacks), not that it is damaged: raised as :class:`_Incompatible`."""
+        c = self.components
+        entry = "model"
+        try:
+            if "model" in state:
+                c.set_model_state(state["model"])
+            entry = "optimizer"
+            c.set_optimizer_state(state.get("optimizer"))
+            entry = "train_state"
+            if "train_state" in state:
+                c.train_state.load_state_dict(state["train_state"])
+            entry = "callbacks"
+            if callbacks_state is not None:
+                c.callbacks.load_state_dict(callbacks_state)
+            entry = "dataloader"
+            if loader_state is not None:
+                load_loader_global_state(c.data_loader, loader_state)
+        except ERRORS as e:
+            hint = f" (add '{entry}' to checkpoint.exclude_from_loading to start it afresh)" if entry in (
+                "dataloader", "callbacks", "optimizer") else ""
+            raise _Incompatible(f"restoring '{entry}': {format_exception(e)}{hint}") from e
+
+    def _report_load(self, path: Path, marker: dict, report: dict) -> None:
+        """After all ranks loaded: one summary line (and the RNG count, an all-reduce)."""
+        rng_ranks = self.comm.sum([int(report.get("rng", False))])[0]
+        if self.comm.rank != 0:
+            return
+        ts, world = self.components.train_state, self.comm.world
+        restored = report.get("restored", set())
+        skipped = [k for k in STATE_KEYS if k not in restored and k != "rng"]
+        if marker.get("kind", "full") == "full" and not rng_ranks:
+            skipped.append("rng")
+        logger.info("checkpoint %s loaded in %.2f s: step %d, %s tokens seen; RNG states restored on %d/%d ranks%s",
+                    path, report.get("seconds", 0.0), ts.step, f"{ts.tokens_seen:,}", rng_ranks, world,
+                    f"; not restored: {', '.join(skipped)}" if skipped else "")
+        if 0 < rng_ranks < world:
+            logger.warning("checkpoint %s was saved with %s ranks: RNG states restored on %d of %d ranks only",
+                           path.name, marker.get("world_size", "?"), rng_ranks, world)
+        if "lr_scheduler" in restored:
+            self._check_schedule(marker, report.get("lr_scheduler"))
+
+    def _check_schedule(self, marker: dict, saved: dict | None) -> None:
+        step = int(marker.get("step", 0))
+        old_lr = (saved or {}).get("lr", marker.get("lr"))
+        new_lr = self.components.lr_at(step)
+        if old_lr and new_lr is not None and not math.isclose(old_lr, new_lr, rel_tol=1e-9, abs_tol=0.0):
+            logger.warning("the learning rate at step %d was %.6g in the saved run and is %.6g with this config "
+                           "(optimizer.lr, lr_scheduler or training.steps changed): training continues on the new "
+                           "schedule", step, old_lr, new_lr)
+
+    # ----------------------------------------------------------------------------------------------
+    # initial_load_path
+    # ----------------------------------------------------------------------------------------------
+
+    def _initial_load(self) -> None:
+        cfg = self.cfg
+        path = Path(cfg.initial_load_path)
+        if cfg.initial_load_in_hf:
+            self._load_hf(path)
+            return
+        chosen = self.comm.broadcast(self._resolve_initial(path) if self.comm.rank == 0 else None)
+        if isinstance(chosen, str):
+            raise ConfigError(chosen)
+        model_only = cfg.initial_load_model_only or chosen.marker.get("kind", "full") != "full"
+        if not cfg.initial_load_model_only and model_only and self.comm.rank == 0:
+            logger.warning("checkpoint.initial_load_path %s holds only model weights: optimizer starts fresh",
+                           chosen.path)
+        if not model_only:
+            self._load_first([chosen], explicit=True)
+            return
+        _, error = attempt(f"loading {chosen.path}", self._load_checkpoint, chosen.path, chosen.marker,
+                           model_only=True, exclude=set(), restore_train_state=False)
+        reasons = self.comm.agree(error)
+        if reasons:
+            raise CheckpointError(f"checkpoint.initial_load_path {chosen.path} could not be loaded: "
+                                  + " | ".join(reasons))
+        if self.comm.rank == 0:
+            logger.info("initial weights loaded from %s (model only: fresh optimizer, step 0)", chosen.path)
+
+    def _load_hf(self, path: Path) -> None:
+        """Weights from a Hugging Face folder; each rank reads the slices it holds."""
+        if not path.exists():
+            raise ConfigError(f"checkpoint.initial_load_path: no such folder '{path}'")
+        _, error = attempt(f"loading {path}", load_hf_into, self.components.model_parts, str(path))
+        reasons = self.comm.agree(error)
+        if reasons:
+            raise CheckpointError(f"checkpoint.initial_load_path {path} (Hugging Face) could not be loaded: "
+                                  + " | ".join(reasons))
+        if self.comm.rank == 0:
+            logger.info("initial weights loaded from the Hugging Face checkpoint %s", path)
+
+    def _resolve_initial(self, path: Path) -> CheckpointInfo | str:
+        """Rank 0: the checkpoint initial_load_path names (a step folder, or a folder of them), or the error."""
+        if not path.exists():
+            return f"checkpoint.initial_load_path: no such folder '{path}'"
+        if (path / DCP_METADATA).exists() or (path / MARKER).exists():
+            info = inspect_checkpoint(path)
+            if info.complete:
+                return info
+            if not info.unmarked:
+                return f"checkpoint.initial_load_path {path} is {info.status}: {info.reason}"
+            # A DCP checkpoint written by another tool (no commit marker): DCP wrote its metadata last.
+            logger.warning("checkpoint.initial_load_path %s has no commit marker (written by another tool?); "
+                           "loading it as a model checkpoint", path)
+            return dataclasses.replace(info, step=0, marker={"kind": "model_only", "step": 0})
+        complete = [c for c in scan_folder(path) if c.complete]
+        if not complete:
+            return f"checkpoint.initial_load_path: no complete checkpoint in '{path}'"
+        return complete[-1]

@@ -1,0 +1,357 @@
+"""Saving: write a checkpoint with DCP (synchronously or in the background), commit it, keep the latest.
+
+A save is atomic: every rank writes into ``step-N.tmp``, the ranks agree that all of them succeeded,
+then rank 0 writes the commit marker and renames the folder to ``step-N``. A failed (or refused) save
+is reported with every rank's reason, cleaned up and counted; the run stops after
+``checkpoint.max_failed_saves`` in a row.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.checkpoint.agree import ERRORS, Collectives, attempt
+from trainer.checkpoint.layout import (
+    DATALOADER_JSON,
+    DATALOADER_PT,
+    FORMAT_VERSION,
+    TMP_SUFFIX,
+    commit,
+    human_bytes,
+    scan_folder,
+    step_dirname,
+    write_file_atomic,
+)
+from trainer.checkpoint.space import DiskSpace
+from trainer.checkpoint.state import (
+    EXPORT_DTYPES,
+    Components,
+    estimate_checkpoint_bytes,
+    merge_loader_states,
+    pickle_bytes,
+)
+from trainer.errors import CheckpointError
+
+logger = logging.getLogger("trainer")
+
+
+def _make_writer_class():
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class DrillWriter(FileSystemWriter):
+        """FileSystemWriter plus the fault drills (checkpoint.drill_*): a slow save, a failing save."""
+
+        def __init__(self, path, *, delay_s: float = 0.0, fail: bool = False, **kwargs):
+            super().__init__(path, **kwargs)
+            self._delay_s = delay_s
+            self._fail = fail
+
+        def write_data(self, plan, planner):
+            if self._delay_s > 0:
+                time.sleep(self._delay_s)
+            if self._fail:
+                raise OSError(f"fault drill: injected write failure (checkpoint.drill_fail_save_steps) in {self.path}")
+            return super().write_data(plan, planner)
+
+    return DrillWriter
+
+
+@dataclass
+class _Pending:
+    """An asynchronous save in flight."""
+
+    step: int
+    tmp: Path
+    final: Path
+    marker: dict
+    upload: Any  # concurrent.futures.Future
+    staging: Any  # Future or None
+    t0: float
+    blocking_s: float
+    stager: Any = None  # a per-save stager to close once the save is written
+
+
+class Saver:
+    """Writes, commits and retains the checkpoints of ``components`` in ``folder`` (all ranks call every
+    method together). ``async_pg`` is the process group of background saves (None: synchronous only)."""
+
+    def __init__(self, cfg, folder: Path, components: Components, comm: Collectives, async_pg: Any = None):
+        self.cfg = cfg
+        self.folder = folder
+        self.components = components
+        self.comm = comm
+        self.async_pg = async_pg
+        self.space = DiskSpace(cfg, folder)
+        self.failures = 0  # failed saves in this run (metrics: checkpoint_failures)
+        self.consecutive_failures = 0
+        self.saves = 0
+        self.pending: _Pending | None = None
+        self._stager = None  # the reused pinned-memory stager (async_with_pinned_mem on CUDA)
+        self._staging_future = None
+        self._writer_cls = None
+
+    @property
+    def pinned(self) -> bool:
+        return self.cfg.async_mode == "async_with_pinned_mem" and self.components.use_cuda
+
+    def maybe_save(self, step: int, last: bool = False) -> None:
+        """After every optimizer step: finish a background save that has completed; save at every
+        ``checkpoint.interval`` steps and at the last step."""
+        if self.pending is not None:
+            self._poll(block=last or step % self.cfg.interval == 0)
+        if last:
+            model_only = self.cfg.last_save_model_only
+            dtype = EXPORT_DTYPES[self.cfg.export_dtype] if model_only else None
+            self.save(step, kind="model_only" if model_only else "full", dtype=dtype, asynchronous=False)
+        elif step % self.cfg.interval == 0:
+            self.save(step, kind="full", asynchronous=self.cfg.async_mode != "disabled")
+
+    def finish(self) -> None:
+        """End of training: wait for a background save and commit it."""
+        if self.pending is not None:
+            self._poll(block=True)
+        if self._stager is not None:
+            attempt("closing the checkpoint stager", self._stager.close)
+            self._stager = None
+
+    def save(self, step: int, kind: str = "full", dtype: torch.dtype | None = None, asynchronous: bool = False) -> bool:
+        """Save ``step`` (all ranks). Returns whether it was committed (a synchronous save) or started (an
+        asynchronous one). Failures are counted and raise :class:`CheckpointError` once
+        ``checkpoint.max_failed_saves`` happen in a row."""
+        import torch.distributed.checkpoint as dcp
+
+        t0 = time.perf_counter()
+        final = self.folder / step_dirname(step)
+        tmp = self.folder / step_dirname(step, TMP_SUFFIX)
+        model_only = kind != "full"
+        self.wait_staging()
+        state = self.components.snapshot(step, self.comm.rank, model_only, dtype)
+        # Every rank counts its entries at their global sizes; ranks of one pipeline stage count the same
+        # ones, so the sum over ranks divided by the ranks per stage is the whole checkpoint.
+        nbytes = self.comm.sum([estimate_checkpoint_bytes(state)])[0] * self.components.pp_degree // self.comm.world
+        reasons = self.comm.agree(self._prepare(step, tmp, nbytes))
+        if reasons:
+            return self._failed(step, tmp, reasons, refused=True)
+        marker = self._marker(step, kind, dtype, nbytes)
+        if not model_only:
+            reasons = self.comm.agree(self._write_dataloader_state(tmp, marker))
+            if reasons:
+                return self._failed(step, tmp, reasons, refused=False)
+        writer = self._writer(tmp, step)
+        if asynchronous:
+            return self._start_async(step, tmp, final, marker, state, writer, t0)
+        _, error = attempt("checkpoint save", dcp.save, state, storage_writer=writer, process_group=self.comm.pg)
+        del state
+        return self._finish_save(step, tmp, final, marker, error, t0, time.perf_counter() - t0)
+
+    def _prepare(self, step: int, tmp: Path, nbytes: int) -> str | None:
+        """Rank 0 clears a stale temporary folder of this step before anyone writes into it (the agreement
+        that follows is also the barrier that orders this); every rank checks the disk space."""
+        if self.comm.rank == 0:
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+            except OSError as e:
+                return f"cannot prepare {tmp}: {e}"
+        return self.space.check(step, nbytes, warn=self.comm.rank == 0)
+
+    def _marker(self, step: int, kind: str, dtype: torch.dtype | None, nbytes: int) -> dict:
+        """The commit marker's content known before writing (files and sizes are added at commit)."""
+        c = self.components
+        return {
+            "format": FORMAT_VERSION, "step": step, "kind": kind,
+            "dtype": str(dtype).replace("torch.", "") if dtype is not None else "as trained",
+            "tokens_seen": c.train_state.tokens_seen, "skipped_steps": c.train_state.skipped_steps,
+            "lr": c.lr_at(step), "world_size": self.comm.world, "layout": c.layout,
+            "estimated_bytes": nbytes, "torch": torch.__version__,
+        }
+
+    def _write_dataloader_state(self, tmp: Path, marker: dict) -> str | None:
+        """Gather the per-rank loader states, merge them (rank 0) and write the sidecar; the error, if any.
+        Every rank takes part in the gather whatever happens locally."""
+        c = self.components
+        local, error = attempt("data-loader state", lambda: (int(c.dp_rank), c.data_loader.state_dict()))
+        gathered = self.comm.gather(local)
+        if error is not None:
+            return f"data-loader state: {error}"
+        if self.comm.rank != 0:
+            return None
+        if any(g is None for g in gathered):
+            return "data-loader state: not available on another rank (see its log)"
+        by_dp: dict[int, Any] = {}
+        for dp_rank, sd in gathered:
+            by_dp.setdefault(dp_rank, sd)
+        states = [by_dp[r] for r in sorted(by_dp)]
+        name, error = attempt("data-loader state", self._write_loader_file, tmp, states)
+        if error is not None:
+            return f"data-loader state: {error}"
+        marker["dataloader"] = name
+        marker["dataloader_dp_ranks"] = len(states)
+        return None
+
+    def _write_loader_file(self, tmp: Path, states: list) -> str:
+        global_state = merge_loader_states(self.components.data_loader, states)
+        tmp.mkdir(parents=True, exist_ok=True)
+        try:
+            data, name = json.dumps(global_state).encode(), DATALOADER_JSON
+        except (TypeError, ValueError):  # not JSON-able: pickled
+            data, name = pickle_bytes(global_state), DATALOADER_PT
+        write_file_atomic(tmp / name, data)
+        return name
+
+    def _writer(self, tmp: Path, step: int):
+        if self._writer_cls is None:
+            self._writer_cls = _make_writer_class()
+        fail = step in self.cfg.drill_fail_save_steps and self.comm.rank == self.comm.world - 1
+        delay = self.cfg.drill_save_delay_s if self.comm.rank == 0 else 0.0
+        return self._writer_cls(str(tmp), delay_s=delay, fail=fail)
+
+    # ----------------------------------------------------------------------------------------------
+    # Background saves
+    # ----------------------------------------------------------------------------------------------
+
+    def _start_async(self, step: int, tmp: Path, final: Path, marker: dict, state: dict, writer, t0: float) -> bool:
+        started, error = attempt("async checkpoint save", self._async_save, state, writer)
+        reasons = self.comm.agree(error)
+        if reasons:
+            return self._failed(step, tmp, reasons, refused=False)
+        upload, staging, stager = started
+        self.pending = _Pending(step, tmp, final, marker, upload, staging, t0, time.perf_counter() - t0,
+                                stager if stager is not self._stager else None)
+        return True
+
+    def _async_save(self, state: dict, writer):
+        import torch.distributed.checkpoint as dcp
+
+        kwargs: dict[str, Any] = {"storage_writer": writer, "process_group": self.async_pg}
+        stager = self._make_stager()
+        if stager is not None and "async_stager" in inspect.signature(dcp.async_save).parameters:
+            kwargs["async_stager"] = stager
+        result = dcp.async_save(state, **kwargs)
+        if hasattr(result, "upload_completion"):  # AsyncSaveResponse: staging runs in the background too
+            self._staging_future = result.staging_completion
+            return result.upload_completion, result.staging_completion, kwargs.get("async_stager")
+        return result, None, kwargs.get("async_stager")
+
+    def _make_stager(self):
+        """The staging API (torch >= 2.9): reused pinned buffers and background copies on CUDA with
+        async_with_pinned_mem; a plain synchronous copy to CPU memory otherwise."""
+        try:
+            from torch.distributed.checkpoint.staging import (
+                DefaultStager,
+                StagingOptions,
+            )
+        except ImportError:
+            return None
+        try:
+            if self.pinned:
+                if self._stager is None:
+                    self._stager = DefaultStager(StagingOptions(
+                        use_pinned_memory=True, use_shared_memory=False, use_async_staging=True,
+                        use_non_blocking_copy=True))
+                return self._stager
+            # A fresh stager per save: a plain copy to CPU memory, freed once the save is written.
+            return DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                use_async_staging=False, use_non_blocking_copy=False))
+        except (TypeError, AssertionError, RuntimeError) as e:  # another torch version's options
+            logger.warning("checkpoint staging API unavailable (%s); using DCP's default staging", e)
+            return None
+
+    def wait_staging(self) -> None:
+        """Wait until a background save has copied the state it reads (before the optimizer changes it)."""
+        fut = self._staging_future
+        if fut is not None:
+            self._staging_future = None
+            try:
+                fut.result()
+            except ERRORS:
+                pass  # reported with the upload's result
+
+    def _poll(self, block: bool) -> None:
+        """Finish the background save if it is done on every rank (or wait for it when ``block``)."""
+        p = self.pending
+        if block:
+            try:
+                p.upload.result()
+            except ERRORS:
+                pass  # reported below, once every rank is done
+        if self.comm.sum([int(p.upload.done())])[0] < self.comm.world:
+            return
+        self.pending = None
+        _, error = attempt("background checkpoint save", p.upload.result)
+        if p.stager is not None:
+            attempt("closing a checkpoint stager", p.stager.close)
+        self._finish_save(p.step, p.tmp, p.final, p.marker, error, p.t0, p.blocking_s)
+
+    # ----------------------------------------------------------------------------------------------
+    # Outcome
+    # ----------------------------------------------------------------------------------------------
+
+    def _finish_save(self, step: int, tmp: Path, final: Path, marker: dict, error: str | None, t0: float,
+                     blocking_s: float) -> bool:
+        """After DCP wrote (or failed to write) ``tmp``: rank 0 commits when its own save succeeded (DCP's
+        coordinator succeeds only if every rank did), then all ranks agree on the outcome."""
+        if error is None and self.comm.rank == 0:
+            marker["save_seconds"] = round(time.perf_counter() - t0, 3)
+            marker["blocking_seconds"] = round(blocking_s, 3)
+            _, error = attempt("checkpoint commit", commit, tmp, final, marker)
+            error = error and f"commit failed: {error}"
+        reasons = self.comm.agree(error)
+        if reasons:
+            return self._failed(step, tmp, reasons, refused=False)
+        self.consecutive_failures = 0
+        self.saves += 1
+        if self.comm.rank == 0:
+            logger.info("checkpoint step-%d saved: %s%s in %.2f s (training blocked %.2f s) -> %s",
+                        step, human_bytes(marker.get("bytes", 0)),
+                        "" if marker["kind"] == "full" else f", {marker['kind']} {marker['dtype']}",
+                        time.perf_counter() - t0, blocking_s, final)
+            self._retain()
+        return True
+
+    def _retain(self) -> None:
+        """Delete the checkpoints older than the newest ``keep_latest_k`` (0 keeps all)."""
+        k = self.cfg.keep_latest_k
+        if k <= 0:
+            return
+        infos = scan_folder(self.folder)
+        committed = [c for c in infos if c.complete]
+        if len(committed) <= k:
+            return
+        keep_from = committed[-k].step
+        for c in infos:
+            if c.step < keep_from and not c.path.name.endswith(TMP_SUFFIX):
+                shutil.rmtree(c.path, ignore_errors=True)
+                logger.info("checkpoint %s deleted (keep_latest_k=%d)", c.path.name, k)
+
+    def _failed(self, step: int, tmp: Path, reasons: list[str], refused: bool) -> bool:
+        """A failed (or refused) save, agreed by all ranks: report it, clean up, count it, maybe stop."""
+        self.failures += 1
+        self.consecutive_failures += 1
+        if self.comm.rank == 0:
+            causes = list(reasons)
+            try:
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+            except OSError as e:
+                causes.append(f"(could not remove {tmp}: {e})")
+            latest = [c.path.name for c in scan_folder(self.folder) if c.complete]
+            logger.error(
+                "checkpoint step-%d %s: %s. Failed saves: %d in this run, %d in a row (checkpoint.max_failed_saves"
+                "=%d). Latest complete checkpoint: %s", step, "refused" if refused else "FAILED", " | ".join(causes),
+                self.failures, self.consecutive_failures, self.cfg.max_failed_saves, latest[-1] if latest else "none")
+        if self.consecutive_failures >= self.cfg.max_failed_saves:
+            raise CheckpointError(
+                f"stopping after {self.consecutive_failures} failed checkpoint save(s) in a row "
+                f"(checkpoint.max_failed_saves={self.cfg.max_failed_saves}); last: step-{step}: {reasons[0]}")
+        return False

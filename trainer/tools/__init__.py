@@ -1,0 +1,1 @@
+"""Jobs around training that the ``trainer`` console script runs (see trainer/cli.py)."""
