@@ -1,4 +1,5 @@
-"""Nothing on the training thread waits for the device between log steps: no tensor is read on the host.
+"""The hot path: nothing on the training thread waits for the device between log steps (no tensor is read on
+the host), and the logits do not outlive the loss.
 
 The real loop runs in this process (world size 1, gloo) with the default config, then with every stability
 guard on. Around each step that is not a log step, a dispatch mode counts ``aten._local_scalar_dense``
@@ -79,3 +80,24 @@ def test_no_host_reads_between_log_steps(tmp_path, monkeypatch, guards, logged):
         record = {r["step"]: r for r in read_metrics(tmp_path)}[8]
         guard_skips = record["skipped_nonfinite_steps"] + record["skipped_spike_steps"]
         assert record["skipped_nonfinite_steps"] == 1 and record["skipped_steps"] == 1 + guard_skips, record
+
+
+def test_logits_are_freed_before_backward(tmp_path, monkeypatch):
+    """The largest activation (vocabulary x tokens) is not kept alive through backward by the loop."""
+    import weakref
+
+    from trainer.train import Trainer
+
+    original = Trainer.loss_fn
+    alive_at_backward = []
+
+    def loss_fn(logits, labels):
+        ref = weakref.ref(logits)
+        loss = original(logits, labels)
+        loss.register_hook(lambda grad: alive_at_backward.append(ref() is not None))  # runs as backward starts
+        return loss
+
+    monkeypatch.setattr(Trainer, "loss_fn", staticmethod(loss_fn))
+    rc, log = train(tmp_path, "--training.steps", "2", "--checkpoint.enable", "false", monkeypatch=monkeypatch)
+    assert rc == 0, log
+    assert alive_at_backward == [False, False]

@@ -280,10 +280,12 @@ class Trainer:
                 with record_function("loss"):
                     loss = self.loss_fn(logits, labels) / tokens_per_rank
                     loss = self.callbacks.extra_loss(self.run_view, logits, loss, tokens_per_rank)
+                # The loss saved what its backward needs (the log-softmax); the logits themselves
+                # (vocabulary x tokens, the largest activation) would otherwise live through backward.
+                del logits
                 with record_function("backward"):
                     loss.backward()
             total += plain(loss.detach())
-            del logits
         return total
 
     def clip_grad_norm(self) -> torch.Tensor:

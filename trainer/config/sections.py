@@ -118,7 +118,8 @@ class Parallelism:
     """Ranks a model replica is sharded over with FSDP2. -1: whatever is left of the world size."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """Free gathered parameters after forward: always (least memory), never (no re-gather in backward), or
-    default (always, except for the last block whose backward follows immediately)."""
+    default: always, except for the last block and the output layer, whose backward follows at once, and
+    never with pipeline parallel (each micro-batch's forward would gather them again)."""
     tensor_parallel_degree: int = 1
     """Ranks each layer's matrices are split over (Megatron-style, with sequence parallel norms)."""
     disable_loss_parallel: bool = False

@@ -146,6 +146,9 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    # float8: the amax of each cast is a cheap op but a reduction over the whole tensor, and with
+    # tensor-parallel float8 an all-reduce follows it; recomputing it would repeat both.
+    torch.ops.aten.max.default,
 }
 
 
@@ -217,24 +220,30 @@ def apply_compile(model: nn.Module, backend: str) -> None:
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
                reshard_after_forward: str, cpu_offload: bool, pp_enabled: bool) -> None:
-    """Shard each block, then the root (embeddings, final norm, output). A 2-D ``dp_mesh``
-    (replicate, shard) gives HSDP: reduce-scatter inside a replica group, all-reduce across replicas."""
+    """Shard the embeddings, each block, the final norm with the output layer, then the root, each a group
+    of its own: the first all-gather (embeddings) is small and overlaps with nothing, the next ones
+    overlap with the compute before them, and the output layer's gradient is reduce-scattered while the
+    last block's backward runs instead of after everything. A 2-D ``dp_mesh`` (replicate, shard) gives
+    HSDP: reduce-scatter inside a replica group, all-reduce across replicas."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kwargs = {"mesh": dp_mesh, "mp_policy": mp}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     if reshard_after_forward == "default":
-        # With pipelining a block's backward runs much later than its forward, so always reshard.
-        default_reshard = True
+        # With pipelining every micro-batch runs the stage's forward again before its backward: freeing the
+        # gathered parameters after each forward would all-gather them once more per micro-batch.
+        reshard = not pp_enabled
     else:
-        default_reshard = reshard_after_forward == "always"
+        reshard = reshard_after_forward == "always"
+    if model.tok_embeddings is not None:
+        fully_shard(model.tok_embeddings, reshard_after_forward=reshard, **kwargs)
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
-        last = i == len(blocks) - 1
-        reshard = default_reshard
-        if reshard_after_forward == "default" and last and not pp_enabled:
-            # The last block's backward starts right after forward: keep its parameters gathered.
-            reshard = False
-        fully_shard(block, reshard_after_forward=reshard, **kwargs)
-    # Group the output layer and final norm with the root: they are gathered together at the end.
+        # The last block's backward starts right after the forward ends: keep its parameters gathered.
+        last = i == len(blocks) - 1 and reshard_after_forward == "default"
+        fully_shard(block, reshard_after_forward=reshard and not last, **kwargs)
+    head = [m for m in (model.norm, model.output) if m is not None]
+    if head:
+        # Used first in backward, right after forward: resharding them would only gather them again.
+        fully_shard(head, reshard_after_forward=reshard_after_forward == "always", **kwargs)
     fully_shard(model, reshard_after_forward=reshard_after_forward == "always", **kwargs)
