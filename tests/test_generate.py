@@ -12,7 +12,8 @@ from torchtitan_ext.generate import generate, main as generate_main, sample_next
 from torchtitan_ext.native import save_native_checkpoint
 from trainer.config import load_config
 from trainer.models.llama import LlamaModelArgs, Transformer
-from trainer.train import load_tokenizer, model_args_for
+from trainer.models import resolve_model_args
+from trainer.train import load_tokenizer
 from tests.utils import fast_model
 
 
@@ -58,7 +59,7 @@ def test_sampling_filters():
 def test_generate_cli_on_a_checkpoint(tmp_path, capsys):
     config = load_config(["--model.flavor", "debugmodel", "--training.seq_len", "64"], env={})
     tok = load_tokenizer(config)
-    m = fast_model(model_args_for(config, tok.vocab_size))
+    m = fast_model(resolve_model_args(config, tok.vocab_size))
     save_native_checkpoint(m.state_dict(), tmp_path / "run", step=1, config=config)
     out_json = tmp_path / "samples.json"
     rc = generate_main(["--checkpoint", str(tmp_path / "run"), "--prompt", "ROMEO:", "--prompt", "JULIET: O",

@@ -507,3 +507,40 @@ def test_get_model_args_and_errors():
     assert build_llama("debugmodel", vocab_size=64, max_seq_len=32).output.weight.shape == (64, 256)
     with pytest.raises(ValueError):
         LlamaModelArgs(dim=64, n_heads=4, n_kv_heads=3)
+
+
+def test_fewer_layer_flavor_is_a_new_args_object():
+    before = dict(LLAMA_FLAVORS)
+    args = get_model_args("llama3", "8b_4l")
+    assert args == dataclasses.replace(LLAMA_FLAVORS["llama3_8b"], n_layers=4)
+    assert get_model_args("llama", "llama3_8b_4l") == args
+    assert LLAMA_FLAVORS == before and LLAMA_FLAVORS["llama3_8b"].n_layers == 32  # the table is never changed
+    with pytest.raises(ValueError, match="<flavor>_<N>l"):
+        get_model_args("llama", "nope_4l")
+
+
+def _config(*argv):
+    from trainer.config import load_config
+
+    return load_config(list(argv), env={})
+
+
+def test_resolve_model_args_vocab_and_seq_len():
+    from trainer.errors import ConfigError
+    from trainer.models import resolve_model_args
+
+    # debugmodel: vocabulary from the tokenizer, rounded up to a multiple of 64; RoPE table at seq_len.
+    args = resolve_model_args(_config("--model.flavor", "debugmodel", "--training.seq_len", "128"), 2000)
+    assert args == dataclasses.replace(LLAMA_FLAVORS["debugmodel"], vocab_size=2048, max_seq_len=128)
+    # A published flavor keeps its vocabulary; model.vocab_size overrides both.
+    assert resolve_model_args(_config("--model.flavor", "llama3_8b"), None).vocab_size == 128256
+    assert resolve_model_args(_config("--model.flavor", "llama3_8b", "--model.vocab_size", "130000"),
+                              128256).vocab_size == 130000
+    assert resolve_model_args(_config("--model.flavor", "llama3_8b_2l"), None).n_layers == 2
+    for argv, vocab, match in [
+        (["--model.flavor", "llama3_9b"], None, "model.flavor: unknown flavor 'llama3_9b'"),
+        (["--model.flavor", "debugmodel"], None, "takes its vocabulary size from the tokenizer"),
+        (["--model.flavor", "llama2_7b", "--model.name", "llama2"], 128256, "32000 embedding rows"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            resolve_model_args(_config(*argv), vocab)

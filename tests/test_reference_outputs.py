@@ -26,7 +26,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 from torchtitan_ext.generate import generate, main as generate_main  # noqa: E402
 from torchtitan_ext.native import save_native_checkpoint  # noqa: E402
 from trainer.config import load_config  # noqa: E402
-from trainer.train import load_tokenizer, model_args_for  # noqa: E402
+from trainer.models import resolve_model_args  # noqa: E402
+from trainer.train import load_tokenizer  # noqa: E402
 from tests.utils import fast_model  # noqa: E402
 
 FIXTURE = Path(__file__).resolve().parent / "assets" / "reference_outputs.json"
@@ -45,7 +46,7 @@ def build_reference_model():
     """The debug flavor at seq_len 64 with seeded random weights (fp32, CPU), and its tokenizer."""
     config = load_config(["--model.flavor", "debugmodel", "--training.seq_len", str(SEQ_LEN)], env={})
     tok = load_tokenizer(config)
-    return config, tok, fast_model(model_args_for(config, tok.vocab_size), seed=0)
+    return config, tok, fast_model(resolve_model_args(config, tok.vocab_size), seed=0)
 
 
 def forward_outputs(model) -> dict:
