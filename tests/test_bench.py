@@ -38,15 +38,22 @@ def test_bench_gpu_skips_without_cuda(monkeypatch):
     assert "skipped" in result
 
 
-def test_register_short_flavor():
-    from trainer.models.llama import LLAMA_FLAVORS
+def test_fewer_layer_flavors_resolve_without_registering(tmp_path):
+    """llama3_8b_4l (a GPU-suite flavor) is resolved by the trainer itself; the flavor table stays as it is."""
+    import argparse
 
-    bench.register_flavor("llama3_8b_2l")
-    try:
-        assert LLAMA_FLAVORS["llama3_8b_2l"].n_layers == 2
-        assert LLAMA_FLAVORS["llama3_8b_2l"].dim == LLAMA_FLAVORS["llama3_8b"].dim
-    finally:
-        LLAMA_FLAVORS.pop("llama3_8b_2l", None)
+    from trainer.models.llama import LLAMA_FLAVORS
+    from trainer.plan import model_args_for_plan
+
+    before = dict(LLAMA_FLAVORS)
+    ns = argparse.Namespace(config=str(bench.DEFAULT_CONFIG))
+    config = bench.load_bench_config(ns, ["--model.flavor", "llama3_8b_4l"], [], str(tmp_path))
+    args, _ = model_args_for_plan(config)
+    assert args.n_layers == 4 and args.dim == LLAMA_FLAVORS["llama3_8b"].dim
+    assert LLAMA_FLAVORS == before
+    bench._check_flavors(list(bench.GPU_FLAVORS))
+    with pytest.raises(SystemExit, match="unknown flavor 'llama3_9b'"):
+        bench._check_flavors(["debugmodel", "llama3_9b"])
 
 
 def test_table_marks_targets():

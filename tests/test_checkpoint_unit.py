@@ -82,11 +82,12 @@ def test_layout_and_contents(base):
     # Other tools load plain FQNs under "model" without a process group.
     import torch.distributed.checkpoint as dcp
     from trainer.models.llama import Transformer
-    from trainer.train import load_tokenizer, model_args_for
+    from trainer.models import resolve_model_args
+    from trainer.train import load_tokenizer
     from trainer.config import load_config
 
     cfg = load_config(["--job.config_file", str(DEBUG_CONFIG), "--training.seq_len", "64"])
-    model = Transformer(model_args_for(cfg, load_tokenizer(cfg).vocab_size))
+    model = Transformer(resolve_model_args(cfg, load_tokenizer(cfg).vocab_size))
     sd = model.state_dict()
     assert "layers.0.attention.wq.weight" in sd
     dcp.load({"model": sd}, checkpoint_id=str(folder / "step-4"), no_dist=True)

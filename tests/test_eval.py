@@ -20,7 +20,8 @@ from torchtitan_ext.lm_eval_model import NativeLM, main as eval_main  # noqa: E4
 from torchtitan_ext.native import save_native_checkpoint  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.models.llama import Transformer  # noqa: E402
-from trainer.train import load_tokenizer, model_args_for  # noqa: E402
+from trainer.models import resolve_model_args  # noqa: E402
+from trainer.train import load_tokenizer  # noqa: E402
 from tests.utils import fast_model
 
 TASKS_DIR = Path(__file__).resolve().parent / "assets" / "lm_eval_tasks"
@@ -32,7 +33,7 @@ def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("eval")
     config = load_config(["--model.flavor", "debugmodel", "--training.seq_len", "64"], env={})
     tok = load_tokenizer(config)
-    model = fast_model(model_args_for(config, tok.vocab_size))
+    model = fast_model(resolve_model_args(config, tok.vocab_size))
     dump = tmp / "run"
     save_native_checkpoint(model.state_dict(), dump, step=5, config=config)
     assert export_main(["--checkpoint", str(dump), "--output", str(tmp / "hf"), "--dtype", "fp32"]) == 0

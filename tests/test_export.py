@@ -24,7 +24,8 @@ from torchtitan_ext.hf import (
 from torchtitan_ext.native import CheckpointNotFound, find_checkpoint, load_native, save_native_checkpoint
 from trainer.config import load_config
 from trainer.models.llama import LlamaModelArgs, RopeScaling, Transformer
-from trainer.train import load_tokenizer, model_args_for
+from trainer.models import resolve_model_args
+from trainer.train import load_tokenizer
 from tests.utils import fast_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -38,7 +39,7 @@ def debug_run(tmp_path, seed: int = 0):
     """A debugmodel 'run': config.toml + checkpoint/step-2 (random weights), like a real dump folder."""
     config = load_config(["--model.flavor", "debugmodel", "--training.seq_len", "64"], env={})
     tok = load_tokenizer(config)
-    model = fast_model(model_args_for(config, tok.vocab_size), seed)
+    model = fast_model(resolve_model_args(config, tok.vocab_size), seed)
     dump = tmp_path / "run"
     save_native_checkpoint(model.state_dict(), dump, step=2, config=config)
     return dump, model, tok

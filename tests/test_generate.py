@@ -1,4 +1,5 @@
-"""trainer generate: the KV-cache forward equals the training forward; batching, sampling and the CLI."""
+"""trainer generate: KV-cache generation equals the training forward; batching, sampling and the CLI. (The
+model's cached forward itself is tested in test_model.py.)"""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import json
 import pytest
 import torch
 
-from torchtitan_ext.generate import KVCache, forward_cached, generate, main as generate_main, sample_next
+from torchtitan_ext.generate import generate, main as generate_main, sample_next
 from torchtitan_ext.native import save_native_checkpoint
 from trainer.config import load_config
 from trainer.models.llama import LlamaModelArgs, Transformer
-from trainer.train import load_tokenizer, model_args_for
+from trainer.models import resolve_model_args
+from trainer.train import load_tokenizer
 from tests.utils import fast_model
 
 
@@ -19,19 +21,6 @@ from tests.utils import fast_model
 def model():
     args = LlamaModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=64)
     return fast_model(args)
-
-
-def test_cached_forward_equals_training_forward(model):
-    tokens = torch.randint(0, 128, (2, 24))
-    with torch.no_grad():
-        ref = model(tokens)
-    cache = KVCache.empty(model, 2, 24, torch.float32, "cpu")
-    positions = torch.arange(24).expand(2, 24)
-    mask = torch.ones(2, 24, dtype=torch.bool)
-    parts = [forward_cached(model, tokens[:, :10], positions[:, :10], cache, 0, mask)]
-    for t in range(10, 24):  # one token at a time from the cache
-        parts.append(forward_cached(model, tokens[:, t:t + 1], positions[:, t:t + 1], cache, t, mask))
-    assert (torch.cat(parts, dim=1) - ref).abs().max().item() < 1e-5
 
 
 def test_greedy_generation_kv_cache_batching_and_reference_agree(model):
@@ -70,7 +59,7 @@ def test_sampling_filters():
 def test_generate_cli_on_a_checkpoint(tmp_path, capsys):
     config = load_config(["--model.flavor", "debugmodel", "--training.seq_len", "64"], env={})
     tok = load_tokenizer(config)
-    m = fast_model(model_args_for(config, tok.vocab_size))
+    m = fast_model(resolve_model_args(config, tok.vocab_size))
     save_native_checkpoint(m.state_dict(), tmp_path / "run", step=1, config=config)
     out_json = tmp_path / "samples.json"
     rc = generate_main(["--checkpoint", str(tmp_path / "run"), "--prompt", "ROMEO:", "--prompt", "JULIET: O",

@@ -193,6 +193,57 @@ def test_pipeline_stages_compose_to_full_model():
     assert model_num_params(stage0) + model_num_params(stage1) == count_params(args)
 
 
+# ----------------------------------------------------------------------------- KV cache
+
+
+def test_kv_cache_incremental_forward_equals_training_forward():
+    """Prompt at positions 0..9, then one token at a time from the cache: the training forward's logits."""
+    model = seeded_model(tiny_args()).eval()
+    tokens = torch.randint(0, 128, (2, 24))
+    with torch.no_grad():
+        ref = model(tokens)
+        model.setup_kv_cache(2, 24)
+        parts = [model(tokens[:, :10], input_pos=torch.arange(10))]
+        for t in range(10, 24):
+            parts.append(model(tokens[:, t:t + 1], input_pos=torch.tensor([t])))
+    torch.testing.assert_close(torch.cat(parts, dim=1), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_kv_cache_rows_at_their_own_positions():
+    """With per-row positions ([B, S]) each row decodes as if it were alone; padding slots past a row's
+    end are overwritten before any query can see them."""
+    model = seeded_model(tiny_args()).eval()
+    short, long = torch.randint(0, 128, (1, 9)), torch.randint(0, 128, (1, 14))
+    batch = torch.zeros(2, 14, dtype=torch.long)
+    batch[0, :6], batch[1] = short[0, :6], long[0]  # row 0: a 6-token prompt, right-padded
+    with torch.no_grad():
+        model.setup_kv_cache(2, 17)
+        model(batch, input_pos=torch.arange(14))
+        pos = torch.tensor([[6], [14]])
+        for step in range(3):  # row 0 continues with its own tokens 6, 7, 8 over the padding slots
+            step_tokens = torch.stack([short[0, 6 + step], long[0, 13]])[:, None]
+            logits = model(step_tokens, input_pos=pos + step)
+        model.clear_kv_cache()
+        torch.testing.assert_close(logits[0, -1], model(short)[0, -1], rtol=1e-5, atol=1e-5)
+
+
+def test_kv_cache_is_absent_unless_set_up():
+    model = seeded_model(tiny_args())
+    keys = set(model.state_dict())
+    buffers = {name for name, _ in model.named_buffers()}
+    assert all(layer.attention.kv_cache is None for layer in model.layers.values())
+    model.setup_kv_cache(3, 32)
+    cache = model.layers["0"].attention.kv_cache
+    assert cache.k.shape == (3, 32, 2, 16) and cache.k.dtype == torch.float32
+    assert set(model.state_dict()) == keys  # never in a checkpoint
+    model.clear_kv_cache()
+    assert {name for name, _ in model.named_buffers()} == buffers
+    with pytest.raises(RuntimeError, match="setup_kv_cache"):
+        model(torch.zeros(1, 4, dtype=torch.long), input_pos=torch.arange(4))
+    with pytest.raises(ValueError, match="RoPE table"):
+        model.setup_kv_cache(1, 65)
+
+
 # ----------------------------------------------------------------------------- init
 
 
@@ -456,3 +507,40 @@ def test_get_model_args_and_errors():
     assert build_llama("debugmodel", vocab_size=64, max_seq_len=32).output.weight.shape == (64, 256)
     with pytest.raises(ValueError):
         LlamaModelArgs(dim=64, n_heads=4, n_kv_heads=3)
+
+
+def test_fewer_layer_flavor_is_a_new_args_object():
+    before = dict(LLAMA_FLAVORS)
+    args = get_model_args("llama3", "8b_4l")
+    assert args == dataclasses.replace(LLAMA_FLAVORS["llama3_8b"], n_layers=4)
+    assert get_model_args("llama", "llama3_8b_4l") == args
+    assert LLAMA_FLAVORS == before and LLAMA_FLAVORS["llama3_8b"].n_layers == 32  # the table is never changed
+    with pytest.raises(ValueError, match="<flavor>_<N>l"):
+        get_model_args("llama", "nope_4l")
+
+
+def _config(*argv):
+    from trainer.config import load_config
+
+    return load_config(list(argv), env={})
+
+
+def test_resolve_model_args_vocab_and_seq_len():
+    from trainer.errors import ConfigError
+    from trainer.models import resolve_model_args
+
+    # debugmodel: vocabulary from the tokenizer, rounded up to a multiple of 64; RoPE table at seq_len.
+    args = resolve_model_args(_config("--model.flavor", "debugmodel", "--training.seq_len", "128"), 2000)
+    assert args == dataclasses.replace(LLAMA_FLAVORS["debugmodel"], vocab_size=2048, max_seq_len=128)
+    # A published flavor keeps its vocabulary; model.vocab_size overrides both.
+    assert resolve_model_args(_config("--model.flavor", "llama3_8b"), None).vocab_size == 128256
+    assert resolve_model_args(_config("--model.flavor", "llama3_8b", "--model.vocab_size", "130000"),
+                              128256).vocab_size == 130000
+    assert resolve_model_args(_config("--model.flavor", "llama3_8b_2l"), None).n_layers == 2
+    for argv, vocab, match in [
+        (["--model.flavor", "llama3_9b"], None, "model.flavor: unknown flavor 'llama3_9b'"),
+        (["--model.flavor", "debugmodel"], None, "takes its vocabulary size from the tokenizer"),
+        (["--model.flavor", "llama2_7b", "--model.name", "llama2"], 128256, "32000 embedding rows"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            resolve_model_args(_config(*argv), vocab)

@@ -21,7 +21,8 @@ from trainer.plan import (
     plan,
     search_layouts,
 )
-from trainer.train import load_tokenizer, model_args_for
+from trainer.models import resolve_model_args
+from trainer.train import load_tokenizer
 
 from .utils import ROOT
 
@@ -38,7 +39,7 @@ def test_plan_counts_match_model(flavor, capsys):
     config = load_config(["--job.config_file", str(config_file), *overrides], env={})
     args, _ = model_args_for_plan(config)
     tokenizer_vocab = load_tokenizer(config).vocab_size if config.model.tokenizer_path == "" else None
-    expected_args = model_args_for(config, tokenizer_vocab)
+    expected_args = resolve_model_args(config, tokenizer_vocab)
     assert args == expected_args
     with torch.device("meta"):
         meta = model_num_params(Transformer(args))

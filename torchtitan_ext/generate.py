@@ -1,11 +1,12 @@
-"""``trainer generate``: sample text from a checkpoint, with a KV cache.
+"""``trainer generate``: sample text from a checkpoint, with the model's KV cache.
 
-The KV cache lives here, not in the training model: :func:`forward_cached` runs the model's own modules
-(``tok_embeddings``, each block's norms, ``wq``/``wk``/``wv``/``wo`` and ``feed_forward``, ``norm``,
-``output``) in the same order as ``Transformer.forward`` but keeps every layer's keys and values, so a
-new token costs one position instead of the whole sequence. It also takes per-row positions and a key
-mask, which lets prompts of different lengths be left-padded into one batch. ``--no_kv_cache``
-recomputes the whole sequence at every step (the slow reference path; same results).
+Generation runs the model's own forward: the prompt batch once, then one token per step with
+``model(tokens, input_pos=...)`` against the cache ``model.setup_kv_cache`` gave it (see
+``trainer.models.llama.model``), so a new token costs one position instead of the whole sequence. Prompts of
+different lengths share one batch right-padded: each row's token at position ``p`` sits in column (and cache
+slot) ``p``, so every row keeps its own positions and a query never sees a padding slot before a real token
+has overwritten it. ``--no_kv_cache`` runs the plain training forward over the whole sequence at every step
+(the slow reference path; same results).
 """
 
 from __future__ import annotations
@@ -15,80 +16,13 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
 logger = logging.getLogger("trainer")
 
-__all__ = ["KVCache", "forward_cached", "generate", "sample_next", "main"]
-
-
-@dataclass
-class KVCache:
-    """Per-layer key/value tensors ``[batch, max_len, n_kv_heads, head_dim]``."""
-
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
-
-    @classmethod
-    def empty(cls, model, batch: int, max_len: int, dtype: torch.dtype, device) -> "KVCache":
-        args = model.args
-        shape = (batch, max_len, args.num_kv_heads, args.head_dim)
-        n = len(model.layers)
-        return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)],
-                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)])
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Interleaved-pair RoPE as in ``apply_rotary_emb``, with per-row positions (cos/sin ``[B, S, 1, D/2]``)."""
-    pairs = x.float().unflatten(-1, (-1, 2))
-    x0, x1 = pairs[..., 0], pairs[..., 1]
-    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-    return out.flatten(-2).type_as(x)
-
-
-@torch.no_grad()
-def forward_cached(model, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, start: int,
-                   key_mask: torch.Tensor) -> torch.Tensor:
-    """Logits ``[B, S, vocab]`` for ``tokens`` ``[B, S]`` written at cache slots ``start .. start+S-1``.
-
-    ``positions`` ``[B, S]`` are the RoPE positions; ``key_mask`` ``[B, >= start+S]`` marks the slots
-    that hold real tokens (False for left padding). A query attends to real keys at or before its slot
-    (and always to itself, so padding rows stay finite).
-    """
-    bsz, seqlen = tokens.shape
-    end = start + seqlen
-    rope = model.rope_cache[positions]  # [B, S, D/2, 2]
-    cos, sin = rope[..., 0].unsqueeze(2), rope[..., 1].unsqueeze(2)
-    q_slots = torch.arange(start, end, device=tokens.device)
-    k_slots = torch.arange(end, device=tokens.device)
-    allowed = (k_slots[None, :] <= q_slots[:, None])[None] & key_mask[:, None, :end]
-    allowed |= (k_slots[None, :] == q_slots[:, None])[None]
-    mask = allowed[:, None]  # [B, 1, S, end]
-
-    h = model.tok_embeddings(tokens)
-    for i, layer in enumerate(model.layers.values()):
-        attn = layer.attention
-        x = layer.attention_norm(h)
-        q = attn.wq(x).view(bsz, seqlen, -1, attn.head_dim)
-        k = attn.wk(x).view(bsz, seqlen, -1, attn.head_dim)
-        v = attn.wv(x).view(bsz, seqlen, -1, attn.head_dim)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        cache.k[i][:, start:end] = k
-        cache.v[i][:, start:end] = v
-        keys, values = cache.k[i][:, :end], cache.v[i][:, :end]
-        n_rep = q.shape[2] // keys.shape[2]
-        if n_rep > 1:
-            keys = torch.repeat_interleave(keys, n_rep, dim=2)
-            values = torch.repeat_interleave(values, n_rep, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                             attn_mask=mask)
-        h = h + attn.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
-        h = h + layer.feed_forward(layer.ffn_norm(h))
-    return model.output(model.norm(h))
+__all__ = ["generate", "sample_next", "main"]
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -119,8 +53,8 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, te
              use_kv_cache: bool = True, generator: torch.Generator | None = None,
              stop_fn=None) -> list[list[int]]:
     """New tokens for each prompt (token ids), stopping at ``eos_id`` (not included) or after
-    ``max_new_tokens``. Prompts are left-padded into one batch; a prompt longer than the model's RoPE
-    table allows is cut from the left. ``stop_fn(row, new_ids) -> bool`` may stop a row early."""
+    ``max_new_tokens``. Prompts are generated as one batch; a prompt longer than the model's RoPE table
+    allows is cut from the left. ``stop_fn(row, new_ids) -> bool`` may stop a row early."""
     if not prompts:
         return []
     if any(len(p) == 0 for p in prompts):
@@ -131,44 +65,50 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, te
     prompts = [list(p)[-(limit - max_new_tokens):] for p in prompts]
     bsz = len(prompts)
     plen = max(len(p) for p in prompts)
-    total = plen + max_new_tokens
-    pads = torch.tensor([plen - len(p) for p in prompts], device=device)
-    tokens = torch.full((bsz, total), pad_id, dtype=torch.long, device=device)
+    tokens = torch.full((bsz, plen + max_new_tokens), pad_id, dtype=torch.long, device=device)
     for row, p in enumerate(prompts):
-        tokens[row, plen - len(p):plen] = torch.tensor(p, dtype=torch.long, device=device)
-    slots = torch.arange(total, device=device)
-    key_mask = slots[None, :] >= pads[:, None]  # [B, total]
-    positions = (slots[None, :] - pads[:, None]).clamp(min=0)  # RoPE position 0 at each prompt's start
+        tokens[row, :len(p)] = torch.tensor(p, dtype=torch.long, device=device)
+    rows = torch.arange(bsz, device=device)
+    cur = torch.tensor([len(p) for p in prompts], device=device)  # each row's next position
 
-    dtype = model.tok_embeddings.weight.dtype
     done = torch.zeros(bsz, dtype=torch.bool, device=device)
     out: list[list[int]] = [[] for _ in range(bsz)]
-    cache = KVCache.empty(model, bsz, total, dtype, device) if use_kv_cache else None
-    cur = plen
-    for step in range(max_new_tokens):
+    if use_kv_cache:
+        model.setup_kv_cache(bsz, tokens.shape[1])
+    try:
+        for step in range(max_new_tokens):
+            if not use_kv_cache:  # the training forward over everything so far
+                logits = model(tokens[:, :int(cur.max())])[rows, cur - 1]
+            elif step == 0:  # the prompts, at positions 0 .. plen-1
+                logits = model(tokens[:, :plen], input_pos=torch.arange(plen, device=device))[rows, cur - 1]
+            else:  # each row's last token, at its own position
+                last = (cur - 1)[:, None]
+                logits = model(tokens[rows[:, None], last], input_pos=last)[:, -1]
+            nxt = sample_next(logits, temperature, top_k, top_p, generator)
+            nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+            tokens[rows, cur] = nxt
+            cur += 1
+            _record(nxt, done, out, eos_id, stop_fn)
+            if bool(done.all()):
+                break
+    finally:
         if use_kv_cache:
-            start = 0 if step == 0 else cur - 1
-            logits = forward_cached(model, tokens[:, start:cur], positions[:, start:cur], cache, start, key_mask)
-        else:  # recompute everything: a fresh cache and the whole sequence every step
-            fresh = KVCache.empty(model, bsz, cur, dtype, device)
-            logits = forward_cached(model, tokens[:, :cur], positions[:, :cur], fresh, 0, key_mask)
-        nxt = sample_next(logits[:, -1], temperature, top_k, top_p, generator)
-        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
-        tokens[:, cur] = nxt
-        cur += 1
-        for row in range(bsz):
-            if done[row]:
-                continue
-            token = int(nxt[row])
-            if eos_id is not None and token == eos_id:
-                done[row] = True
-                continue
-            out[row].append(token)
-            if stop_fn is not None and stop_fn(row, out[row]):
-                done[row] = True
-        if bool(done.all()):
-            break
+            model.clear_kv_cache()  # the cache is the size of this batch; free it
     return out
+
+
+def _record(nxt: torch.Tensor, done: torch.Tensor, out: list[list[int]], eos_id: int | None, stop_fn) -> None:
+    """Append each unfinished row's new token to ``out``; mark rows that hit EOS or ``stop_fn`` done."""
+    for row in range(len(out)):
+        if done[row]:
+            continue
+        token = int(nxt[row])
+        if eos_id is not None and token == eos_id:
+            done[row] = True
+            continue
+        out[row].append(token)
+        if stop_fn is not None and stop_fn(row, out[row]):
+            done[row] = True
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import gc
 import itertools
 import json
@@ -578,19 +577,6 @@ GPU_VARIANTS: dict[str, list[str]] = {
 _VARIANT_AC = {"compile_ac_selective_op": "selective_op", "compile_ac_full": "full"}
 
 
-def register_flavor(name: str) -> None:
-    """``<flavor>_<N>l`` is <flavor> with N layers (e.g. llama3_8b_4l: 8B-shaped layers, 4 of them)."""
-    from trainer.models.llama import LLAMA_FLAVORS
-
-    if name in LLAMA_FLAVORS:
-        return
-    base, _, layers = name.rpartition("_")
-    if base in LLAMA_FLAVORS and layers.endswith("l") and layers[:-1].isdigit():
-        LLAMA_FLAVORS[name] = dataclasses.replace(LLAMA_FLAVORS[base], n_layers=int(layers[:-1]))
-        return
-    raise SystemExit(f"unknown flavor {name!r}")
-
-
 def plan_local_batch(config, capacity_bytes: float, ac: str, max_batch: int) -> tuple[int, float]:
     """The largest power-of-two local batch whose single-GPU estimate fits 90% of the GPU, and its estimate."""
     from trainer.plan import Layout, Shape, memory_estimate, model_args_for_plan
@@ -609,7 +595,6 @@ def gpu_case(spec: dict) -> dict:
     """One GPU case in this process: build the trainer, warm up (compile), time steps."""
     from trainer.metrics import peak_tflops
 
-    register_flavor(spec["flavor"])
     workdir = tempfile.mkdtemp(prefix="bench_gpu_")
     argv = ["--model.flavor", spec["flavor"], "--training.seq_len", str(spec["seq_len"]),
             "--training.local_batch_size", str(spec["local_batch_size"]), "--training.mixed_precision_param",
@@ -668,8 +653,8 @@ def bench_gpu(args, overrides: list[str], workdir: str) -> dict[str, Any]:
     capacity = torch.cuda.get_device_properties(0).total_memory
     small = args.steps == "small"
     cases = []
+    _check_flavors(flavors)
     for flavor in flavors:
-        register_flavor(flavor)
         for variant in variants:
             if variant not in GPU_VARIANTS:
                 raise SystemExit(f"unknown variant {variant!r}; known: {', '.join(GPU_VARIANTS)}")
@@ -694,6 +679,18 @@ def bench_gpu(args, overrides: list[str], workdir: str) -> dict[str, Any]:
             cases.append(case)
             print(_gpu_row(case), flush=True)
     return {"cases": cases, "device": torch.cuda.get_device_name(0), "memory_gib": capacity / 2**30}
+
+
+def _check_flavors(flavors: list[str]) -> None:
+    """Stop before any case runs if a flavor is unknown. The trainer resolves each name itself (including
+    ``<flavor>_<N>l``, e.g. llama3_8b_4l: 8B-shaped layers, 4 of them), so nothing is registered here."""
+    from trainer.models import get_model_args
+
+    for flavor in flavors:
+        try:
+            get_model_args("llama", flavor)
+        except ValueError as e:
+            raise SystemExit(f"trainer bench gpu: {e}") from None
 
 
 def _run_case(spec: dict, timeout: float) -> dict:

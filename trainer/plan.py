@@ -418,8 +418,10 @@ def _ac_name(config: JobConfig) -> str:
 
 
 def model_args_for_plan(config: JobConfig):
-    """The model args the trainer would build (tokenizer consulted only when it is on this machine)."""
-    from trainer.train import load_tokenizer, model_args_for
+    """The model args the trainer would build, and a note when the tokenizer is not on this machine (then
+    the vocabulary comes from the flavor or model.vocab_size, unchecked against the tokenizer)."""
+    from trainer.models import resolve_model_args
+    from trainer.train import load_tokenizer
 
     tokenizer_vocab = None
     note = None
@@ -428,7 +430,7 @@ def model_args_for_plan(config: JobConfig):
         tokenizer_vocab = load_tokenizer(config).vocab_size
     else:
         note = f"tokenizer {path} not found: vocabulary from the flavor/model.vocab_size"
-    return model_args_for(config, tokenizer_vocab), note
+    return resolve_model_args(config, tokenizer_vocab), note
 
 
 def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | None = None,

@@ -35,7 +35,8 @@ from trainer.data import build_train_loader, build_val_loader
 from trainer.data.loader import grad_accum_steps
 from trainer.fingerprint import sequence_fingerprint, wrap_int64
 from trainer.metrics import MetricsWriter, Throughput, console_line, format_eta, memory_gib, peak_tflops, use_color
-from trainer.models.llama import Transformer, flops_per_token, get_llama_args, model_num_params
+from trainer.models import resolve_model_args
+from trainer.models.llama import Transformer, flops_per_token, model_num_params
 from trainer.optim import LRSchedule, build_optimizer, step_unless, supports_device_skip
 from trainer.parallel.dims import ParallelDims, device_type
 from trainer.parallel.init import init_weights
@@ -44,32 +45,6 @@ from trainer.parallel.parallelize import DTYPES, parallelize, set_compile_cache,
 from trainer.parallel.pipeline import build_schedule, build_stage_model, plan_stages, schedule_name
 
 logger = logging.getLogger("trainer")
-
-
-def model_args_for(config: JobConfig, tokenizer_vocab: int | None):
-    """The flavor's architecture with its embedding sized for the tokenizer.
-
-    Rows: model.vocab_size if set, else the flavor's published vocabulary, else the tokenizer's
-    vocabulary rounded up to a multiple of 64 (faster matmuls). ``tokenizer_vocab`` None skips the check
-    that the tokenizer fits (dry runs of presets whose tokenizer file is not on this machine).
-    """
-    try:
-        flavor_args = get_llama_args(config.model.flavor)
-    except ValueError as e:
-        raise ConfigError(f"model.flavor: {e}") from None
-    if config.model.vocab_size > 0:
-        vocab, source = config.model.vocab_size, "model.vocab_size"
-    elif flavor_args.vocab_size > 0:
-        vocab, source = flavor_args.vocab_size, f"flavor {config.model.flavor}"
-    elif tokenizer_vocab is not None:
-        vocab, source = -(-tokenizer_vocab // 64) * 64, "tokenizer"
-    else:
-        raise ConfigError(f"model.flavor {config.model.flavor} takes its vocabulary size from the tokenizer; "
-                          "set model.tokenizer_path or model.vocab_size")
-    if tokenizer_vocab is not None and vocab < tokenizer_vocab:
-        raise ConfigError(f"{source} gives {vocab} embedding rows but the tokenizer has {tokenizer_vocab} ids; "
-                          "use a matching tokenizer (model.tokenizer_path) or raise model.vocab_size")
-    return get_llama_args(flavor_args, vocab_size=vocab, max_seq_len=config.training.seq_len)
 
 
 def load_tokenizer(config: JobConfig):
@@ -117,7 +92,7 @@ class Trainer:
                            if config.validation.enable else None)
 
         # Model: built on the meta device (no memory), transformed, then materialised shard by shard.
-        self.model_args = model_args_for(config, self.tokenizer.vocab_size)
+        self.model_args = resolve_model_args(config, self.tokenizer.vocab_size)
         validate_tp(self.dims, self.model_args.n_heads, self.model_args.num_kv_heads)
         with torch.device("meta"):
             template = Transformer(self.model_args)
@@ -609,12 +584,11 @@ def apply_converters(model: torch.nn.Module, config: JobConfig) -> None:
 
 def dry_run(config: JobConfig) -> None:
     """Validate the config and build the model on the meta device without allocating it."""
-    tokenizer_vocab = None
-    if config.model.tokenizer_path == "" or Path(config.model.tokenizer_path).exists():
-        tokenizer_vocab = load_tokenizer(config).vocab_size
-    else:
-        logger.warning("tokenizer %s not found: checking the model without it", config.model.tokenizer_path)
-    args = model_args_for(config, tokenizer_vocab)
+    from trainer.plan import model_args_for_plan
+
+    args, note = model_args_for_plan(config)  # as trainer plan: the tokenizer only if it is on this machine
+    if note:
+        logger.warning(note)
     with torch.device("meta"):
         model = Transformer(args)
     world = int(os.environ.get("WORLD_SIZE", 1))

@@ -4,6 +4,12 @@ Parameter names follow Meta's reference implementation (``tok_embeddings``,
 ``layers.<i>.attention.wq`` ..., ``layers.<i>.feed_forward.w1`` ..., ``norm``, ``output``)
 because checkpoints, tensor-parallel plans and the Hugging Face exporter rely on them.
 
+For generation the model keeps its own key/value cache, as gpt-fast does: ``setup_kv_cache`` gives every
+attention layer a :class:`KVCache` and ``forward(tokens, input_pos=...)`` then writes the new keys/values at
+``input_pos``, attends over the cache and rotates by those positions. Without ``input_pos`` (training) the
+cache is not touched, and it does not exist unless set up: ``Attention.kv_cache`` is None, so FSDP, TP,
+pipeline splitting and ``torch.compile`` see the same modules and ops as before.
+
 RoPE uses Meta's *interleaved pair* convention: dimensions ``(2i, 2i+1)`` of each head form
 one rotated pair with frequency ``theta ** (-2i / head_dim)``. (Hugging Face's Llama uses the
 "rotate half" convention instead; its converter permutes the rows of ``wq``/``wk``.) The
@@ -25,6 +31,7 @@ __all__ = [
     "RMSNorm",
     "Attention",
     "FeedForward",
+    "KVCache",
     "TransformerBlock",
     "Transformer",
     "apply_rope_scaling",
@@ -86,13 +93,16 @@ def precompute_rope_cache(
 def apply_rotary_emb(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs of ``x`` (``[batch, seq, heads, head_dim]``) by position.
 
-    Positions are ``0 .. seq-1``; rows of ``rope_cache`` beyond ``seq`` are ignored. The
-    rotation is done in float32 and the result is cast back to ``x.dtype``.
+    ``rope_cache`` is either the table ``[>= seq, head_dim // 2, 2]`` (positions ``0 .. seq-1``; rows
+    beyond ``seq`` are ignored) or the rows already picked for each token, ``[batch, seq, head_dim // 2, 2]``
+    (decoding, where each sequence of the batch may be at its own position). The rotation is done in
+    float32 and the result is cast back to ``x.dtype``.
     """
     seqlen = x.shape[1]
-    cache = rope_cache[:seqlen]
-    cos = cache[..., 0].unsqueeze(1)  # [seq, 1, head_dim // 2], broadcast over batch & heads
-    sin = cache[..., 1].unsqueeze(1)
+    cache = rope_cache[:seqlen] if rope_cache.dim() == 3 else rope_cache
+    # [(batch,) seq, 1, head_dim // 2]: broadcast over heads (and over batch for the shared table).
+    cos = cache[..., 0].unsqueeze(-2)
+    sin = cache[..., 1].unsqueeze(-2)
     pairs = x.float().unflatten(-1, (-1, 2))
     x0, x1 = pairs[..., 0], pairs[..., 1]
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
@@ -125,6 +135,30 @@ class RMSNorm(nn.Module):
         return f"{self.dim}, eps={self.eps}"
 
 
+class KVCache(nn.Module):
+    """One attention layer's keys and values for generation, ``[batch, max_seq_len, n_kv_heads, head_dim]``.
+
+    Slot ``p`` of row ``b`` holds the key/value of that sequence's token at position ``p``. Buffers are
+    non-persistent: a cache never enters a state dict or a checkpoint.
+    """
+
+    def __init__(self, batch_size: int, max_seq_len: int, n_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str | None = None):
+        super().__init__()
+        shape = (batch_size, max_seq_len, n_kv_heads, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``k``/``v`` (``[batch, seq, n_kv_heads, head_dim]``) at positions ``input_pos`` (``[seq]``, or
+        ``[batch, seq]`` per row) and return the whole cache; the caller masks the slots not yet valid."""
+        rows = torch.arange(k.shape[0], device=k.device)[:, None]
+        pos = input_pos.expand(k.shape[0], -1)
+        self.k[rows, pos] = k
+        self.v[rows, pos] = v
+        return self.k, self.v
+
+
 class Attention(nn.Module):
     """Causal multi-head / grouped-query self-attention with RoPE.
 
@@ -142,6 +176,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        # Set by Transformer.setup_kv_cache for generation only; None in training.
+        self.kv_cache: KVCache | None = None
 
     def init_weights(self, init_std: float = INIT_STD) -> None:
         """``wq``/``wk``/``wv`` get std 0.02; ``wo`` gets ``init_std`` (depth-scaled)."""
@@ -149,7 +185,11 @@ class Attention(nn.Module):
             _trunc_normal_(linear.weight, INIT_STD)
         _trunc_normal_(self.wo.weight, init_std)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, input_pos: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal self-attention over ``x`` (training: ``rope_cache`` is the whole table); with ``input_pos``
+        the keys/values also go to ``kv_cache`` and the queries attend over the cache under ``mask``
+        (``rope_cache`` then holds the rows for those positions; see ``Transformer.forward``)."""
         bsz, seqlen, _ = x.shape
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
@@ -157,6 +197,8 @@ class Attention(nn.Module):
 
         q = apply_rotary_emb(q, rope_cache)
         k = apply_rotary_emb(k, rope_cache)
+        if input_pos is not None:
+            k, v = self.kv_cache.update(input_pos, k, v)
 
         n_rep = q.shape[2] // k.shape[2]
         if n_rep > 1:
@@ -167,7 +209,8 @@ class Attention(nn.Module):
 
         # [batch, heads, seq, head_dim]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # Training passes no mask: is_causal=True, exactly the op it always ran.
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         out = out.transpose(1, 2).reshape(bsz, seqlen, -1)
         return self.wo(out)
 
@@ -210,13 +253,17 @@ class TransformerBlock(nn.Module):
         self.attention.init_weights(self.weight_init_std)
         self.feed_forward.init_weights(self.weight_init_std)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache)
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, input_pos: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        # The cache arguments go by keyword: tensor parallelism's input preparation for ``attention``
+        # counts the positional inputs (x, rope_cache).
+        h = x + self.attention(self.attention_norm(x), rope_cache, input_pos=input_pos, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
 class Transformer(nn.Module):
-    """Llama decoder. ``forward(tokens[B, S]) -> logits[B, S, vocab]``.
+    """Llama decoder. ``forward(tokens[B, S]) -> logits[B, S, vocab]``; for generation
+    ``setup_kv_cache(...)`` then ``forward(tokens, input_pos=...)``, and ``clear_kv_cache()``.
 
     A pipeline stage may delete entries of ``layers`` (an ``nn.ModuleDict`` keyed ``"0"`` ..
     ``"n-1"``, so the surviving parameter names are unchanged) and set ``tok_embeddings``,
@@ -323,15 +370,57 @@ class Transformer(nn.Module):
         if self.output is not None and not (tied and self.tok_embeddings is not None):
             _trunc_normal_(self.output.weight, output_std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        seqlen = h.shape[1]
-        if seqlen > self.rope_cache.shape[0]:
-            raise ValueError(
-                f"sequence length {seqlen} exceeds max_seq_len {self.rope_cache.shape[0]}"
-            )
+    def setup_kv_cache(self, batch_size: int, max_seq_len: int | None = None, dtype: torch.dtype | None = None,
+                       device: torch.device | str | None = None) -> None:
+        """Give every attention layer a zeroed :class:`KVCache` for ``batch_size`` sequences of up to
+        ``max_seq_len`` tokens (default: the RoPE table's length). ``dtype``/``device`` default to the
+        parameters'. Replaces any previous cache."""
+        limit = self.rope_cache.shape[0]
+        max_seq_len = limit if max_seq_len is None else max_seq_len
+        if not 0 < max_seq_len <= limit:
+            raise ValueError(f"KV cache length {max_seq_len} must be in 1..{limit} (the RoPE table's length)")
+        param = next(self.parameters())
         for layer in self.layers.values():
-            h = layer(h, self.rope_cache)
+            layer.attention.kv_cache = KVCache(
+                batch_size, max_seq_len, self.args.num_kv_heads, self.args.head_dim,
+                dtype=dtype or param.dtype, device=device if device is not None else param.device,
+            )
+
+    def clear_kv_cache(self) -> None:
+        """Drop the caches (and their memory); the model is as built again."""
+        for layer in self.layers.values():
+            layer.attention.kv_cache = None
+
+    def _cached_inputs(self, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE rows and attention mask for queries at ``input_pos`` (``[seq]`` or ``[batch, seq]``): a query
+        at position ``p`` sees cache slots ``0 .. p``, so the slots not yet written are never read."""
+        cache = next(iter(self.layers.values())).attention.kv_cache
+        if cache is None:
+            raise RuntimeError("forward(..., input_pos=...) needs a KV cache: call setup_kv_cache first")
+        slots = torch.arange(cache.k.shape[1], device=input_pos.device)
+        mask = (slots <= input_pos[..., None]).unsqueeze(-3)  # [(batch,) 1, seq, slots]: one mask for all heads
+        return self.rope_cache[input_pos], mask
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[B, S, vocab]`` for ``tokens`` ``[B, S]`` at positions ``0 .. S-1`` (training).
+
+        With ``input_pos`` (``[S]``, or ``[B, S]`` when each sequence is at its own position) the tokens sit
+        at those positions of the KV cache set up by ``setup_kv_cache``: their keys/values are stored there
+        and they attend to every cached position up to their own (generation, one token at a time after
+        the prompt).
+        """
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if input_pos is None:
+            seqlen = h.shape[1]
+            if seqlen > self.rope_cache.shape[0]:
+                raise ValueError(
+                    f"sequence length {seqlen} exceeds max_seq_len {self.rope_cache.shape[0]}"
+                )
+            rope, mask = self.rope_cache, None
+        else:
+            rope, mask = self._cached_inputs(input_pos)
+        for layer in self.layers.values():
+            h = layer(h, rope, input_pos=input_pos, mask=mask)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
