@@ -83,7 +83,7 @@ def test_layout_and_contents(base):
     import torch.distributed.checkpoint as dcp
     from trainer.models.llama import Transformer
     from trainer.models import resolve_model_args
-    from trainer.train import load_tokenizer
+    from trainer.data.tokenizer import load_tokenizer
     from trainer.config import load_config
 
     cfg = load_config(["--job.config_file", str(DEBUG_CONFIG), "--training.seq_len", "64"])

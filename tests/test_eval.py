@@ -21,7 +21,7 @@ from torchtitan_ext.native import save_native_checkpoint  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.models.llama import Transformer  # noqa: E402
 from trainer.models import resolve_model_args  # noqa: E402
-from trainer.train import load_tokenizer  # noqa: E402
+from trainer.data.tokenizer import load_tokenizer  # noqa: E402
 from tests.utils import fast_model
 
 TASKS_DIR = Path(__file__).resolve().parent / "assets" / "lm_eval_tasks"

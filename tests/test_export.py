@@ -25,7 +25,7 @@ from torchtitan_ext.native import CheckpointNotFound, find_checkpoint, load_nati
 from trainer.config import load_config
 from trainer.models.llama import LlamaModelArgs, RopeScaling, Transformer
 from trainer.models import resolve_model_args
-from trainer.train import load_tokenizer
+from trainer.data.tokenizer import load_tokenizer
 from tests.utils import fast_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

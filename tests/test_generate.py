@@ -13,7 +13,7 @@ from torchtitan_ext.native import save_native_checkpoint
 from trainer.config import load_config
 from trainer.models.llama import LlamaModelArgs, Transformer
 from trainer.models import resolve_model_args
-from trainer.train import load_tokenizer
+from trainer.data.tokenizer import load_tokenizer
 from tests.utils import fast_model
 
 

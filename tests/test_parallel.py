@@ -89,13 +89,14 @@ def test_impossible_layouts_fail_before_work(tmp_path):
 
 
 def test_tp_must_divide_heads():
-    from trainer.config import ConfigError
-    from trainer.parallel.dims import ParallelDims
-    from trainer.parallel.parallelize import validate_tp
+    from trainer.config import ConfigError, load_config, validate
 
-    with pytest.raises(ConfigError, match="key/value heads \\(4\\)"):
-        validate_tp(ParallelDims(dp_replicate=1, dp_shard=1, tp=8, pp=1, world_size=8), n_heads=16, n_kv_heads=4)
-    validate_tp(ParallelDims(dp_replicate=1, dp_shard=2, tp=4, pp=1, world_size=8), n_heads=16, n_kv_heads=4)
+    def config(tp: int):
+        return load_config(["--model.flavor", "llama3_8b", "--parallelism.tensor_parallel_degree", str(tp)], env={})
+
+    with pytest.raises(ConfigError, match="key/value heads \\(8\\)"):  # 32 heads, 8 key/value heads
+        validate(config(16), 16)
+    validate(config(8), 16)
 
 
 PRECOMPUTE_SCRIPT = """

@@ -22,7 +22,7 @@ from trainer.plan import (
     search_layouts,
 )
 from trainer.models import resolve_model_args
-from trainer.train import load_tokenizer
+from trainer.data.tokenizer import load_tokenizer
 
 from .utils import ROOT
 

@@ -421,7 +421,7 @@ def model_args_for_plan(config: JobConfig):
     """The model args the trainer would build, and a note when the tokenizer is not on this machine (then
     the vocabulary comes from the flavor or model.vocab_size, unchecked against the tokenizer)."""
     from trainer.models import resolve_model_args
-    from trainer.train import load_tokenizer
+    from trainer.data.tokenizer import load_tokenizer
 
     tokenizer_vocab = None
     note = None

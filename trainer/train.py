@@ -30,9 +30,10 @@ from trainer import logs, observability
 from trainer.callbacks import CallbackList, RunView, build_callbacks
 from trainer.checkpoint import CheckpointManager, TrainState
 from trainer.config import JobConfig, help_text, load_config, to_toml, validate
-from trainer.errors import ConfigError, TrainerError
+from trainer.errors import TrainerError
 from trainer.data import build_train_loader, build_val_loader
 from trainer.data.loader import grad_accum_steps
+from trainer.data.tokenizer import load_tokenizer
 from trainer.fingerprint import sequence_fingerprint, wrap_int64
 from trainer.metrics import MetricsWriter, Throughput, console_line, format_eta, memory_gib, peak_tflops, use_color
 from trainer.models import resolve_model_args
@@ -41,28 +42,25 @@ from trainer.optim import LRSchedule, build_optimizer, step_unless, supports_dev
 from trainer.parallel.dims import ParallelDims, device_type
 from trainer.parallel.init import init_weights
 from trainer.parallel.float8 import register_float8_scale_precompute
-from trainer.parallel.parallelize import DTYPES, parallelize, set_compile_cache, validate_tp
+from trainer.parallel.parallelize import DTYPES, parallelize, set_compile_cache
 from trainer.parallel.pipeline import build_schedule, build_stage_model, plan_stages, schedule_name
 
 logger = logging.getLogger("trainer")
-
-
-def load_tokenizer(config: JobConfig):
-    from tokenizer import DEBUG_TOKENIZER_PATH, build_tokenizer
-
-    path = config.model.tokenizer_path or DEBUG_TOKENIZER_PATH
-    try:
-        return build_tokenizer(path)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model.tokenizer_path: {e}") from None
 
 
 class Trainer:
     def __init__(self, config: JobConfig):
         self.config = config
         self.dump_folder = Path(config.job.dump_folder)
+        self.setup_process()  # process group, device, mesh, seeds; the resolved config.toml
+        self.build_data()  # tokenizer and loaders
+        self.build_model()  # meta device -> parallelize -> materialise and initialise
+        self.build_optimizer()  # optimizer, LR schedule
+        self.build_state()  # callbacks' view, checkpoint manager, resume
+        self.build_metrics()  # metrics.jsonl, TensorBoard, throughput
 
-        # Process group, device and mesh.
+    def setup_process(self) -> None:
+        config = self.config
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
         self.rank = int(os.environ.get("RANK", 0))
         self.dims = ParallelDims.from_config(config.parallelism, self.world_size)
@@ -84,16 +82,18 @@ class Trainer:
             self.dump_folder.mkdir(parents=True, exist_ok=True)
             (self.dump_folder / "config.toml").write_text(to_toml(config))
 
-        # Tokenizer and data.
+    def build_data(self) -> None:
+        config = self.config
         self.tokenizer = load_tokenizer(config)
         self.train_loader = build_train_loader(config, self.tokenizer, dp_rank=self.dp_rank,
                                                dp_world_size=self.dims.dp)
         self.val_loader = (build_val_loader(config, self.tokenizer, dp_rank=self.dp_rank, dp_world_size=self.dims.dp)
                            if config.validation.enable else None)
 
-        # Model: built on the meta device (no memory), transformed, then materialised shard by shard.
+    def build_model(self) -> None:
+        """Built on the meta device (no memory), transformed, then materialised shard by shard."""
+        config = self.config
         self.model_args = resolve_model_args(config, self.tokenizer.vocab_size)
-        validate_tp(self.dims, self.model_args.n_heads, self.model_args.num_kv_heads)
         with torch.device("meta"):
             template = Transformer(self.model_args)
         self.num_params = model_num_params(template)
@@ -109,7 +109,6 @@ class Trainer:
         self.model = self.model_parts[0] if self.pp_schedule is None else None
         if config.model.print_after_conversion:
             logger.info("model after conversion and parallelization:\n%s", self.model_parts)
-
         if config.compile.enable and "loss" in config.compile.components and not self.uses_loss_parallel:
             self.loss_fn = torch.compile(Trainer.loss_fn, backend=config.compile.backend)
         self.autocast = (
@@ -118,7 +117,8 @@ class Trainer:
             else contextlib.nullcontext()
         )
 
-        # Optimizer and schedule.
+    def build_optimizer(self) -> None:
+        config = self.config
         self.optimizer = build_optimizer([np for part in self.model_parts for np in part.named_parameters()],
                                          config.optimizer)
         self.lr_schedule = LRSchedule(config.lr_scheduler, config.optimizer.lr, config.training.steps)
@@ -128,19 +128,21 @@ class Trainer:
                         "(fused AdamW applies it on the device, with no synchronisation)",
                         config.optimizer.implementation)
 
-        # State that checkpoints carry, then resume if the dump folder has a checkpoint.
+    def build_state(self) -> None:
+        """The state checkpoints carry, then resume if the dump folder has a checkpoint."""
         self.state = TrainState()
         self.run_view = self.build_run_view()
         self.callbacks.on_model_built(self.run_view)
         self.checkpointer = CheckpointManager(
-            config, model_parts=self.model_parts, optimizer=self.optimizer, lr_schedule=self.lr_schedule,
+            self.config, model_parts=self.model_parts, optimizer=self.optimizer, lr_schedule=self.lr_schedule,
             data_loader=self.train_loader, train_state=self.state, callbacks=self.callbacks, device=self.device,
             dp_rank=self.dp_rank, pp_degree=self.dims.pp, layout=self.dims.describe(), num_params=self.num_params)
         self.checkpointer.load()
         if self.state.resumed_from_step is not None:
             self.callbacks.on_checkpoint_loaded(self.run_view, self.state.resumed_from_step)
 
-        # Metrics.
+    def build_metrics(self) -> None:
+        config = self.config
         self.metrics = MetricsWriter(
             self.dump_folder, enabled=self.is_logging_rank,
             tensorboard_dir=self.dump_folder / config.metrics.save_tb_folder if config.metrics.enable_tensorboard else None,
@@ -591,9 +593,7 @@ def dry_run(config: JobConfig) -> None:
         logger.warning(note)
     with torch.device("meta"):
         model = Transformer(args)
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    dims = ParallelDims.from_config(config.parallelism, world)
-    validate_tp(dims, args.n_heads, args.num_kv_heads)
+    dims = ParallelDims.from_config(config.parallelism, int(os.environ.get("WORLD_SIZE", 1)))
     print(json.dumps({
         "flavor": config.model.flavor, "params": model_num_params(model),
         "flops_per_token": flops_per_token(args, config.training.seq_len), "vocab_size": args.vocab_size,

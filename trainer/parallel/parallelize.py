@@ -124,14 +124,6 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, floa
         parallelize_module(block, tp_mesh, plan)
 
 
-def validate_tp(dims: ParallelDims, n_heads: int, n_kv_heads: int) -> None:
-    if dims.tp > 1 and (n_heads % dims.tp or n_kv_heads % dims.tp):
-        raise ConfigError(
-            f"parallelism.tensor_parallel_degree ({dims.tp}) must divide the number of attention heads "
-            f"({n_heads}) and key/value heads ({n_kv_heads})"
-        )
-
-
 # --------------------------------------------------------------------------------------------------
 # Activation checkpointing
 # --------------------------------------------------------------------------------------------------
