@@ -28,16 +28,19 @@ micro-batch, ``P`` parameters held by this rank: matrices / tp (norms are replic
   attention (no s^2 term: flash attention saves only its output and a float32 logsumexp per head). With
   ``r`` the residual-stream element size and ``c`` the compute element size, per token per layer::
 
-      norm(k consumers) = 4h (float32 upcast) + r*h (normalised) + 4 (float32 rsqrt) + [r*h  if r == c  else
-                          k*c*h (autocast's cast copy, one per consuming Linear)]
-      attention         = 4*c*h (q after RoPE, k and v after the GQA repeat, SDPA output) + 4*n_h (logsumexp)
+      norm(k consumers) = r*h (its input) + 4 (float32 1/rms)                  [fused kernel, CUDA]
+                          (CPU runs torch's composite rms_norm, which also saves its float32 upcast and the
+                          normalised tensor: 4h + r*h + 4 + (r*h when r != 4))
+                          + [r*h  if r == c  else  k*c*h (autocast's cast copy, one per consuming Linear)]
+      attention         = 2*c*h (q after RoPE, SDPA output) + 2*c*kv (k, v: SDPA's enable_gqa does not
+                          repeat them) + 4*n_h (logsumexp)
       SwiGLU MLP        = 4*c*F (w1 out, silu out, w3 out, their product)
       layer             = norm(3) + attention + norm(2) + MLP
 
-  FSDP with bf16 parameters (r = c = 2): ``24h + 8F + 4n_h + 8``. One GPU with autocast (float32 residual
-  stream, r = 4, c = 2): ``34h + 8F + 4n_h + 8``. Float32 (CPU): r = c = 4. tests/test_plan.py checks these
-  counts against what autograd really keeps alive after a block's forward, in all three regimes and all
-  AC modes.
+  FSDP with bf16 parameters (r = c = 2): ``12h + 4kv + 8F + 4n_h + 8``. One GPU with autocast (float32
+  residual stream, r = 4, c = 2): ``22h + 4kv + 8F + 4n_h + 8``. tests/test_plan.py checks these counts
+  (in their CPU form) against what autograd really keeps alive after a block's forward, in all three
+  regimes and all AC modes.
   Activation checkpointing keeps per layer: ``full`` the block input ``r*h``; ``selective op`` (the policy
   in trainer/parallel/parallelize.py: every other matmul output, SDPA outputs) ``r*h + c*(h + kv + F + h + h)
   + 4n_h`` (wq, wv, w1, w2 outputs and SDPA output + logsumexp); ``selective N`` full AC on every N-th
@@ -198,6 +201,7 @@ class Precision:
     residual: int
     compute: int
     fsdp: bool
+    fused_norm: bool = True  # RMSNorm as one kernel (CUDA); CPU runs torch's composite op, which saves more
 
     @classmethod
     def for_layout(cls, layout: Layout, compute_dtype: str) -> "Precision":
@@ -217,7 +221,10 @@ class Precision:
 def norm_bytes(s: Shape, p: Precision, consumers: int, tp: int = 1) -> float:
     """Per token: saved tensors of one RMSNorm and of its output as its consuming Linears save it."""
     h, r, c = s.dim, p.residual, p.compute
-    own = 4 * h + r * h + 4  # float32 upcast (or the fp32 input itself), normalised tensor, fp32 rsqrt
+    if p.fused_norm:
+        own = r * h + 4  # its input and the float32 1/rms
+    else:  # float32 upcast (the input itself when float32), the input, the normalised tensor, 1/rms
+        own = 4 * h + r * h + 4 + (r * h if r != 4 else 0)
     out = r * h if r == c else consumers * c * h  # saved once, or one autocast cast copy per consumer
     return own / tp + out  # under TP the consumers save the all-gathered (full-sequence) output
 
@@ -225,7 +232,7 @@ def norm_bytes(s: Shape, p: Precision, consumers: int, tp: int = 1) -> float:
 def layer_bytes(s: Shape, p: Precision, tp: int = 1) -> float:
     """Per token, one transformer block without activation checkpointing."""
     c = p.compute
-    attention = 4 * c * s.dim + 4 * s.n_heads  # q, k, v (after GQA repeat), SDPA output; fp32 logsumexp
+    attention = 2 * c * s.dim + 2 * c * s.kv_dim + 4 * s.n_heads  # q, SDPA output; k, v; fp32 logsumexp
     mlp = 4 * c * s.ffn
     return norm_bytes(s, p, 3, tp) + norm_bytes(s, p, 2, tp) + (attention + mlp) / tp
 

@@ -19,11 +19,13 @@ unchanged with DTensor, ``torch.compile`` and export.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .args import LlamaModelArgs, RopeScaling
 
@@ -124,9 +126,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return h.type_as(x) * self.weight
+        # torch's fused kernel (one kernel on GPU instead of five): float32 statistics, output in x's dtype.
+        return F.rms_norm(x, (self.dim,), self.weight, self.eps)
 
     def init_weights(self) -> None:
         nn.init.ones_(self.weight)
@@ -157,6 +158,19 @@ class KVCache(nn.Module):
         self.k[rows, pos] = k
         self.v[rows, pos] = v
         return self.k, self.v
+
+
+# On GPUs, the fastest fused attention first (as torchtitan orders them); math only as the last resort.
+_GPU_SDPA_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                   SDPBackend.MATH]
+
+
+def sdpa_backends(q: torch.Tensor):
+    """The SDPA backend preference for ``q``'s device: cuDNN, flash, memory-efficient, math on CUDA; the
+    default elsewhere (on CPU torch picks its flash kernel itself)."""
+    if q.is_cuda:
+        return sdpa_kernel(_GPU_SDPA_ORDER, set_priority=True)
+    return contextlib.nullcontext()
 
 
 class Attention(nn.Module):
@@ -200,17 +214,13 @@ class Attention(nn.Module):
         if input_pos is not None:
             k, v = self.kv_cache.update(input_pos, k, v)
 
-        n_rep = q.shape[2] // k.shape[2]
-        if n_rep > 1:
-            # Query head h attends with kv head h // n_rep (Meta's repeat_kv ordering).
-            # Explicit repetition instead of SDPA's enable_gqa keeps every SDPA backend usable.
-            k = torch.repeat_interleave(k, n_rep, dim=2)
-            v = torch.repeat_interleave(v, n_rep, dim=2)
-
-        # [batch, heads, seq, head_dim]
+        # [batch, heads, seq, head_dim]. With fewer key/value heads, query head h attends with kv head
+        # h // (heads / kv heads) (Meta's repeat_kv ordering), which SDPA's enable_gqa does without
+        # materialising (and saving for backward) repeated copies of k and v.
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        # Training passes no mask: is_causal=True, exactly the op it always ran.
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        with sdpa_backends(q):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                 enable_gqa=q.shape[1] != k.shape[1])
         out = out.transpose(1, 2).reshape(bsz, seqlen, -1)
         return self.wo(out)
 
