@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("torchtitan_ext.compare", "compare loss curves of runs and reference CSVs (table + PNG)"),
     "plan": ("trainer.plan", "parameters, FLOPs and memory per GPU for a config and GPU count"),
     "bench": ("trainer.bench", "benchmarks: framework overhead, data loader, checkpoint, GPU"),
+    "simulate": ("trainer.simulate.cli", "build and step a layout on N simulated ranks: memory, FLOPs, collectives"),
 }
 
 
