@@ -45,34 +45,43 @@ PATIENCE_S = 60  # beyond this a user is told how long it will take and how to m
 
 
 class ProgressBar:
-    """One bar per rank role on stderr: block forwards and backwards done, elapsed and remaining time."""
+    """One bar per rank role on stderr: block forwards and backwards done (a backward weighs as two
+    forwards), the phase, elapsed and remaining time. On a terminal it redraws one line; otherwise it
+    prints a line every tenth and at phase changes."""
 
-    def __init__(self, label: str, total: int, stream=None, width: int = 30):
-        self.label, self.total, self.width = label, max(1, total), width
+    WEIGHT = {"forward": 1, "backward": 2}
+
+    def __init__(self, label: str, blocks: int, stream=None, width: int = 30):
+        self.label, self.blocks, self.width = label, max(1, blocks), width
         self.stream = stream or sys.stderr
-        self.done = 0
+        self.done = {"forward": 0, "backward": 0}
         self.t0 = time.perf_counter()
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.last_tenth = -1
         self.phase = "build"
 
     def tick(self, phase: str) -> None:
-        self.done += 1
-        self.phase = phase
-        self.render()
+        self.done[phase] += 1
+        self.set_phase(phase)
 
-    def render(self, final: bool = False) -> None:
-        frac = min(1.0, self.done / self.total)
+    def set_phase(self, phase: str) -> None:
+        changed, self.phase = phase != self.phase, phase
+        self.render(force=changed)
+
+    def render(self, final: bool = False, force: bool = False) -> None:
+        units = sum(self.WEIGHT[k] * n for k, n in self.done.items())
+        frac = min(1.0, units / (3 * self.blocks))
         elapsed = time.perf_counter() - self.t0
         left = elapsed / frac - elapsed if frac > 0 else 0.0
         filled = int(frac * self.width)
         bar = "#" * filled + "." * (self.width - filled)
-        text = (f"  {self.label:<34} [{bar}] {self.done}/{self.total} blocks ({self.phase}) "
-                f"{elapsed:5.0f} s" + ("" if final else f", ~{left:.0f} s left"))
+        text = (f"  {self.label:<14} [{bar}] forward {self.done['forward']}/{self.blocks}, backward "
+                f"{self.done['backward']}/{self.blocks} blocks, {self.phase:<9} {elapsed:5.0f} s"
+                + ("" if final or frac == 0 else f", ~{left:.0f} s left"))
         if self.tty:
             self.stream.write("\r" + text + ("\n" if final else ""))
             self.stream.flush()
-        elif final or int(frac * 10) > self.last_tenth:
+        elif final or force or int(frac * 10) > self.last_tenth:
             self.last_tenth = int(frac * 10)
             self.stream.write(text + "\n")
             self.stream.flush()
@@ -98,13 +107,14 @@ def simulate_role(config, args, layout, world_size: int, rank: int, label: str, 
     from trainer.simulate.step import run_step
 
     stage_layers = _stage_for_rank(args, layout, rank).layers
-    bar = None if quiet else ProgressBar(label, 2 * stage_layers * layout.microbatches)
+    bar = None if quiet else ProgressBar(label, stage_layers * layout.microbatches)
     t0 = time.perf_counter()
     mode = world.fake_mode()
     with world.fake_process_group(world_size, rank), world.isolated_sharding_propagation():
         view = world.build_rank_view(config, args, layout, rank, mode)
         build_s = time.perf_counter() - t0
-        result = run_step(view, config, args, layout, mode, on_block=bar.tick if bar else None)
+        result = run_step(view, config, args, layout, mode, on_block=bar.tick if bar else None,
+                          on_phase=bar.set_phase if bar else None)
         if bar:
             bar.phase = "done"
             bar.render(final=True)
@@ -269,6 +279,10 @@ def format_report(report: dict) -> str:
              f"time       {report['seconds']:.1f} s for {len(report['roles'])} role(s)", ""]
     for row in report["roles"]:
         lines += format_role(row, report["accum_steps"]) + [""]
+    if report["schedule"]:
+        lines.append("note: with pipelining the FSDP volumes have no formula here (they depend on the schedule), and "
+                     "the simulated activations include the fp32 gradients FSDP accumulates across micro-batches "
+                     "(the tracker files them under Temp; plan counts them in its total)")
     lines += [f"note: {n}" for n in report["notes"]]
     return "\n".join(lines)
 

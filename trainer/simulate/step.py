@@ -392,15 +392,19 @@ def fake_batch(config, args):
 
 
 def run_step(view: RankView, config, args, layout: Layout, mode,
-             on_block: Callable[[str], None] | None = None) -> StepResult:
+             on_block: Callable[[str], None] | None = None,
+             on_phase: Callable[[str], None] | None = None) -> StepResult:
     """One tracked steady-state step of ``view``'s rank (one micro-batch, or one local batch of
     micro-batches through a pipeline stage). ``on_block(phase)`` is called as each transformer block's
-    forward starts and as its backward starts (progress)."""
+    forward starts and as its backward starts, ``on_phase(name)`` as the step enters another phase
+    (progress)."""
     phase = Phase()
     result = StepResult()
     handles = _progress_hooks(view, phase, on_block) if on_block else []
     with mode:
         batch = fake_batch(config, args)
+        if on_phase:
+            on_phase("setup")
         prime_optimizer(view)
         tracker = make_tracker(view, phase)
         counter = StepCounter(phase, group_labels(view))
@@ -414,6 +418,8 @@ def run_step(view: RankView, config, args, layout: Layout, mode,
                 _step_pipeline(view, config, layout, batch, phase, counter, tracker)
             result.memory["after_backward"] = _current(tracker)
             with phase("optimizer"):
+                if on_phase:
+                    on_phase("optimizer")
                 _clip_and_step(view, config)
             result.memory["after_step"] = _current(tracker)
         result.seconds = time.perf_counter() - t0
