@@ -32,10 +32,11 @@ from trainer.config import ConfigError, load_config
 
 GiB = 2**30
 
-# Rough seconds of simulation per transformer block forward+backward on one core of a 2-core machine
-# (measured: see docs/performance.md), with and without tensor parallel (DTensor is slower to dispatch).
-SECONDS_PER_BLOCK = {"tp": 0.55, "no_tp": 0.35}
-SECONDS_PER_ROLE = 2.0
+# Rough seconds of simulation per transformer block (forward + backward) on a shared 2-core machine, with
+# and without tensor parallel (DTensor dispatch is slower), and per role (process start, build, optimizer
+# step); measured on the presets, see docs/performance.md.
+SECONDS_PER_BLOCK = {"tp": 1.0, "no_tp": 0.6}
+SECONDS_PER_ROLE = 8.0
 PATIENCE_S = 60  # beyond this a user is told how long it will take and how to make it shorter
 
 
@@ -97,7 +98,8 @@ def estimate_seconds(args, layout, roles: int) -> float:
 
     per_block = SECONDS_PER_BLOCK["tp" if layout.dims.tp > 1 else "no_tp"]
     plan = layout.stage_plan
-    layers = max(stage_of(args.n_layers, None if plan is None else m).layers for m in (plan.modules if plan else [None]))
+    stages = plan.modules if plan else [None]
+    layers = max(stage_of(args.n_layers, modules).layers for modules in stages)
     return roles * (SECONDS_PER_ROLE + per_block * layers * layout.microbatches)
 
 
@@ -121,7 +123,8 @@ def simulate_role(config, args, layout, world_size: int, rank: int, label: str, 
         row = {"role": label, "rank": rank, "coordinate": view.coordinate, "stage_ids": view.stage_ids,
                "build_s": round(build_s, 2), "step_s": round(result.seconds, 2),
                "total_s": round(time.perf_counter() - t0, 2),
-               "memory": result.memory, "peak_by_type": result.peak_by_type, "flops": result.flops, "collectives": result.collectives}
+               "memory": result.memory, "peak_by_type": result.peak_by_type, "flops": result.flops,
+               "collectives": result.collectives}
         row["analytic"] = analytic_for(config, args, layout, view)
     return row
 
