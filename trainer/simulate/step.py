@@ -309,8 +309,10 @@ def _fsdp_reduce_grads(part) -> None:
     part.set_requires_gradient_sync(True)
     state = fully_shard.state(part)
     for s in state._state_ctx.all_states:
-        for group in s._fsdp_param_groups:
-            group.post_backward()
+        groups = getattr(s, "_fsdp_param_groups", None)  # older torch: one group per state
+        for group in groups if groups is not None else [s._fsdp_param_group]:
+            if group is not None:
+                group.post_backward()
     state._root_post_backward_final_callback()
 
 

@@ -149,17 +149,20 @@ def isolated_sharding_propagation():
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
     from torch.utils._python_dispatch import _disable_current_modes
 
-    original = ShardingPropagator._propagate_tensor_meta_non_cached
+    # The uncached function where torch has one (its lru-cached wrapper calls it), else the whole method.
+    name = next(n for n in ("_propagate_tensor_meta_non_cached", "_propagate_tensor_meta")
+                if hasattr(ShardingPropagator, n))
+    original = getattr(ShardingPropagator, name)
 
     def isolated(self, op_schema):
         with _disable_current_modes():
             return original(self, op_schema)
 
-    ShardingPropagator._propagate_tensor_meta_non_cached = isolated
+    setattr(ShardingPropagator, name, isolated)
     try:
         yield
     finally:
-        ShardingPropagator._propagate_tensor_meta_non_cached = original
+        setattr(ShardingPropagator, name, original)
 
 
 def fake_mode():
