@@ -48,12 +48,22 @@ micro-batch, ``P`` parameters held by this rank: matrices / tp (norms are replic
   With tensor (sequence) parallel everything is divided by tp except the all-gathered inputs of the
   attention and MLP Linears (``k*c*h`` resp. ``c*h`` per norm), which are saved whole.
   Outside the layers: the final norm (1 consumer) and the loss at its peak (start of its backward):
-  ``(c + 12)*V/tp`` (logits, float32 log-softmax output, the gradient flowing into it and out of it).
-* total = the sum, which assumes everything is alive at once at the start of backward (a slight
-  over-estimate: gradients are freed to ``None`` between steps and grow while activations are freed). It
-  fits when it is at most ``usable_fraction`` (default 0.9) of the GPU's memory: the rest covers the CUDA
-  context, NCCL buffers and allocator fragmentation. Compile and float8 usually need less activation memory
-  than this eager estimate; it is meant as an upper bound for them.
+  ``(c + 12)*V/tp`` (logits, float32 log-softmax output, the gradient flowing into it and out of it);
+  ``(c + 16)*V/tp`` under TP, whose loss-parallel backward holds one more float32 vocabulary shard.
+* total = the largest of three moments of a steady-state step (gradients are ``None`` until backward
+  makes them), checked against ``trainer simulate`` (the real code on fake tensors, docs/performance.md):
+  the loss's backward (every block's activations, the loss at its peak, no gradients yet, FSDP holding
+  the root and the last block gathered); the backward through the blocks (gradients grow as activations
+  are freed: the larger of the two, plus one recomputed block, the gathered weights and, under FSDP, the
+  output layer's unsharded gradient, which waits for the root's reduce-scatter); the end of backward
+  (every gradient, the root's unsharded gradients and their fp32 reduce-scatter buffer, and under TP
+  the embedding's gradient over the whole vocabulary, which DTensor builds on every TP rank before keeping
+  its shard). With pipelining and FSDP, torch's PipelineStage defers gradient reduction to the last
+  micro-batch, so each rank also holds its stage's unsharded gradients in fp32 (and, at the end, its
+  gathered weights). ``sum`` adds every term as if all were alive at once (an upper bound). It fits when the
+  total is at most ``usable_fraction`` (default 0.9) of the GPU's memory: the rest covers the CUDA context,
+  NCCL buffers and allocator fragmentation. Compile and float8 usually need less activation memory than
+  this eager estimate; it is meant as an upper bound for them.
 
 Measured peaks (``torch.cuda.max_memory_allocated`` from ``trainer bench gpu``) go into ``MEASURED``
 below or are read from a bench JSON with ``--measured FILE``; the plan then prints them next to its
@@ -272,8 +282,10 @@ def layers_activation_bytes(s: Shape, p: Precision, layers: int, tokens: int, ac
 
 
 def head_bytes(s: Shape, p: Precision, tokens: int, tp: int = 1) -> dict:
-    """Final norm and loss (logits, fp32 log-softmax, its gradient in and out), per micro-batch."""
-    return {"final_norm": norm_bytes(s, p, 1, tp) * tokens, "loss": (p.compute + 12) * s.vocab / tp * tokens}
+    """Final norm and loss (logits, fp32 log-softmax, its gradient in and out; under TP, loss parallel's
+    backward holds one more float32 tensor of the vocabulary shard), per micro-batch."""
+    per_vocab = p.compute + (16 if tp > 1 else 12)
+    return {"final_norm": norm_bytes(s, p, 1, tp) * tokens, "loss": per_vocab * s.vocab / tp * tokens}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -286,15 +298,16 @@ def _stage_layers(n_layers: int, pp: int) -> int:
 
 
 def memory_estimate(s: Shape, layout: Layout, *, compute_dtype: str = "bfloat16", cpu_offload: bool = False,
-                    reshard_after_forward: str = "default") -> dict[str, Any]:
-    """Bytes per GPU for one layout (the busiest pipeline stage when pp > 1). Keys are the terms of the
-    model in the module docstring; ``total`` is their sum."""
+                    reshard_after_forward: str = "default", stage: str | None = None) -> dict[str, Any]:
+    """Bytes per GPU for one layout (the busiest pipeline stage when pp > 1, or ``stage`` "first", "middle"
+    or "last"). Keys are the terms of the model in the module docstring; ``sum`` is their sum, ``total``
+    the step's largest moment (``_peak``)."""
     p = Precision.for_layout(layout, compute_dtype)
     tp, pp = layout.tp, layout.pp
     shard = layout.dp_shard
     layers = _stage_layers(s.n_layers, pp)
 
-    def stage(first: bool, last: bool) -> dict[str, float]:
+    def stage_terms(first: bool, last: bool) -> dict[str, float]:
         mats = layers * s.layer_matrices + (s.embedding if first else 0) + (s.output if last else 0)
         if s.tied and last and not first:
             mats += s.embedding  # the output stage holds its own copy of a tied matrix
@@ -342,15 +355,48 @@ def memory_estimate(s: Shape, layout: Layout, *, compute_dtype: str = "bfloat16"
             out["loss"] = head["loss"]
         else:
             out["final_norm"] = out["loss"] = 0.0
-        out["total"] = sum(out.values())
+        out["sum"] = sum(out.values())
+        out["total"] = _peak(out, s, layout, p, layers, first, last, reshard_after_forward)
         return out
 
     if pp == 1:
-        terms = stage(True, True)
+        terms = stage_terms(True, True)
+    elif stage is not None:
+        terms = stage_terms(stage == "first", stage == "last")
     else:
-        candidates = [stage(True, False), stage(False, True)]
+        candidates = [stage_terms(True, False), stage_terms(False, True)]
         terms = max(candidates, key=lambda t: t["total"])
     return {"precision": p.name, "stage_layers": layers, **{k: float(v) for k, v in terms.items()}}
+
+
+def _peak(out: dict, s: Shape, layout: Layout, p: Precision, layers: int, first: bool, last: bool,
+          reshard_after_forward: str) -> float:
+    """The largest of the step's three moments (module docstring, "total"): the loss's backward, the
+    backward through the blocks, the end of backward."""
+    tp, c = layout.tp, p.compute
+    state = out["params"] + out["optimizer"]
+    output = (0 if s.tied and first else s.vocab * s.dim) if last else 0
+    root = ((s.embedding if first else 0) + output) / tp + (s.dim if last else 0)
+    if p.fsdp:
+        block = s.layer_matrices / tp + s.layer_norms
+        kept = layers if reshard_after_forward == "never" else (
+            1 if reshard_after_forward == "default" and layout.pp == 1 else 0)
+        gathered_at_loss = c * (root + kept * block)  # the last block's backward follows its forward
+        output_grad = c * output / tp
+    else:
+        gathered_at_loss, output_grad = out["weight_copies"], 0.0
+    full_vocab_grad = (c if p.fsdp else 4) * s.vocab * s.dim if first and tp > 1 else 0.0
+    end_extra = 2 * c * root + max(full_vocab_grad, 4 * root) if p.fsdp else full_vocab_grad
+    loss = state + gathered_at_loss + out["activations"] + out["final_norm"] + out["loss"]
+    blocks = state + out["weight_copies"] + out["recompute"] + max(out["grads"], out["activations"]) + output_grad
+    end = state + out["grads"] + end_extra
+    if p.fsdp and layout.pp > 1:
+        # torch's PipelineStage turns FSDP's gradient reduction off until the last micro-batch: every rank
+        # accumulates its stage's unsharded gradients in fp32, and after a backward the units stay gathered.
+        unsharded = out["params"] * layout.dp_shard / 4
+        loss, blocks = loss + 4 * unsharded, blocks + 4 * unsharded
+        end = state + (c + 4) * unsharded + (c + 4) * root + full_vocab_grad
+    return max(loss, blocks, end)
 
 
 def gpu_memory_gib(name: str) -> float:
@@ -571,7 +617,9 @@ def format_report(r: dict) -> str:
     lines.append("  memory per GPU (GiB):")
     for k in ("params", "grads", "optimizer", "weight_copies", "activations", "recompute", "final_norm", "loss"):
         lines.append(f"    {k:<14} {e[k]:>10.3f}")
-    lines.append(f"    {'total':<14} {e['total']:>10.3f}   -> {'fits' if c['fits'] else 'DOES NOT FIT'}")
+    lines.append(f"    {'sum':<14} {e['sum']:>10.3f}   (every term at once)")
+    lines.append(f"    {'total':<14} {e['total']:>10.3f}   (the step's largest moment) -> "
+                 f"{'fits' if c['fits'] else 'DOES NOT FIT'}")
     acs = ", ".join(f"{k} {v:.2f}" for k, v in c["activations_by_ac_gib"].items())
     lines.append(f"  activations (+ one recomputed layer) by AC mode: {acs} GiB")
     for row in r["measured"]:

@@ -179,6 +179,12 @@ def _check_layout(config, world_size: int) -> None:
     if tp > 1 and (args.n_heads % tp or kv % tp):
         raise ConfigError(f"parallelism.tensor_parallel_degree ({tp}) must divide the number of attention heads "
                           f"({args.n_heads}) and key/value heads ({kv})")
+    if tp > 1 and config.training.seq_len % tp:
+        raise ConfigError(f"training.seq_len ({config.training.seq_len}) must be a multiple of "
+                          f"tensor_parallel_degree ({tp}): sequence parallel splits the sequence over the TP ranks")
+    if tp > 1 and args.ffn_hidden_dim % tp:
+        raise ConfigError(f"parallelism.tensor_parallel_degree ({tp}) must divide the SwiGLU hidden size "
+                          f"({args.ffn_hidden_dim})")
     if pp > 1:
         from trainer.parallel.pipeline import plan_stages
 

@@ -212,8 +212,8 @@ def apply_compile(model: nn.Module, backend: str) -> None:
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
                reshard_after_forward: str, cpu_offload: bool, pp_enabled: bool) -> None:
-    """Shard the embeddings, each block, the final norm with the output layer, then the root, each a group
-    of its own: the first all-gather (embeddings) is small and overlaps with nothing, the next ones
+    """Shard the embeddings, each block, the output layer, then the root (the final norm), each a group of
+    its own: the first all-gather (embeddings) is small and overlaps with nothing, the next ones
     overlap with the compute before them, and the output layer's gradient is reduce-scattered while the
     last block's backward runs instead of after everything. A 2-D ``dp_mesh`` (replicate, shard) gives
     HSDP: reduce-scatter inside a replica group, all-reduce across replicas."""
@@ -234,8 +234,8 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: torch.dtyp
         # The last block's backward starts right after the forward ends: keep its parameters gathered.
         last = i == len(blocks) - 1 and reshard_after_forward == "default"
         fully_shard(block, reshard_after_forward=reshard and not last, **kwargs)
-    head = [m for m in (model.norm, model.output) if m is not None]
-    if head:
-        # Used first in backward, right after forward: resharding them would only gather them again.
-        fully_shard(head, reshard_after_forward=reshard_after_forward == "always", **kwargs)
+    if model.output is not None:
+        # Used first in backward, right after forward: resharding it would only gather it again. (The final
+        # norm, a vector, stays with the root.)
+        fully_shard(model.output, reshard_after_forward=reshard_after_forward == "always", **kwargs)
     fully_shard(model, reshard_after_forward=reshard_after_forward == "always", **kwargs)

@@ -1,0 +1,212 @@
+"""The simulated quantities by formula: parameter bytes per rank, the collectives of one micro-batch, the
+FLOPs of one micro-batch, and ``trainer plan``'s memory estimate for the same layout.
+
+Everything is per rank and per micro-batch (one forward and backward of ``local_batch_size`` sequences;
+with pipelining, one local batch through the rank's stage); an optimizer step repeats it
+``grad_accum_steps`` times.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from trainer.parallel.dims import ParallelDims
+from trainer.plan import Layout as PlanLayout
+from trainer.plan import Shape, memory_estimate
+
+# The tensor-parallel plan of trainer/parallel/parallelize.py (apply_tp), by parameter name: colwise
+# Linear layers and the rowwise-sharded embedding split dim 0 of their weight, rowwise Linear layers dim 1;
+# norms are replicated.
+TP_DIM0 = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "feed_forward.w1.weight",
+           "feed_forward.w3.weight", "output.weight", "tok_embeddings.weight")
+TP_DIM1 = ("attention.wo.weight", "feed_forward.w2.weight")
+
+# The matmuls selective "op" checkpointing recomputes: a block runs wq, wk, wv, wo, w1, w3, w2 and the
+# policy in parallelize._op_policy saves every other matmul output (the 1st, 3rd, ...), so wk, wo and w3
+# are recomputed in backward; SDPA outputs are saved.
+SELECTIVE_OP_RECOMPUTED = ("wk", "wo", "w3")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """The part of the model one rank holds."""
+
+    layers: int
+    first: bool
+    last: bool
+
+
+def stage_of(n_layers: int, modules: list[str] | None) -> Stage:
+    if modules is None:
+        return Stage(n_layers, True, True)
+    return Stage(sum(m.startswith("layers.") for m in modules), "tok_embeddings" in modules, "output" in modules)
+
+
+# --------------------------------------------------------------------------------------------------
+# Parameters
+# --------------------------------------------------------------------------------------------------
+
+
+def local_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """A parameter's shape on one TP rank (the degrees divide the sharded dimensions)."""
+    shape = list(shape)
+    if tp > 1 and name.endswith(TP_DIM0):
+        shape[0] //= tp
+    elif tp > 1 and name.endswith(TP_DIM1):
+        shape[1] //= tp
+    return tuple(shape)
+
+
+def sharded_elements(param_shapes: dict[str, tuple[int, ...]], dims: ParallelDims) -> int:
+    """Elements of this rank's parameter shards: each parameter's TP-local shape, split over the FSDP
+    shards along dim 0 with FSDP2's padding (every shard holds ceil(dim0 / dp_shard) rows)."""
+    total = 0
+    shard = dims.dp_shard if dims.fsdp_enabled else 1
+    for name, shape in param_shapes.items():
+        local = local_shape(name, shape, dims.tp)
+        rows = math.ceil(local[0] / shard)
+        total += rows * math.prod(local[1:])
+    return total
+
+
+# --------------------------------------------------------------------------------------------------
+# Collectives of one micro-batch
+# --------------------------------------------------------------------------------------------------
+
+
+def _units(s: Shape, stage: Stage, tp: int) -> tuple[int, int]:
+    """Elements per rank (before FSDP) of one block and of the root module (embedding, final norm, output)."""
+    block = s.layer_matrices // tp + s.layer_norms
+    root = (s.embedding // tp if stage.first else 0) + ((s.vocab * s.dim) // tp + s.dim if stage.last else 0)
+    return block, root
+
+
+def fsdp_collectives(s: Shape, dims: ParallelDims, stage: Stage, compute_bytes: int, reduce_bytes: int,
+                     reshard_after_forward: str) -> dict[tuple[str, str], float]:
+    """FSDP2/HSDP bytes of one micro-batch without pipelining (``apply_fsdp``'s units and resharding):
+    every unit all-gathered in forward (compute dtype), again in backward unless it stayed gathered (by
+    default: every block but the last, and the embeddings, are gathered again; the last block and
+    [norm, output] stay gathered; "always" gathers everything again, "never" nothing), its gradient
+    reduce-scattered once (reduce dtype) and, with HSDP, the reduced shard all-reduced over the replicas.
+    FSDP2's padding is not counted."""
+    if not dims.fsdp_enabled or dims.pp > 1:
+        return {}
+    block, root = _units(s, stage, dims.tp)
+    embedding = s.embedding // dims.tp if stage.first else 0
+    layers = stage.layers
+    if reshard_after_forward == "always":
+        regathered = layers * block + root
+    elif reshard_after_forward == "never":
+        regathered = 0
+    else:
+        regathered = max(0, layers - 1) * block + embedding
+    held = layers * block + root
+    out: dict[tuple[str, str], float] = {}
+    shard_group = "dp_shard" if dims.dp_shard > 1 else "dp_replicate"
+    if dims.dp_shard > 1:
+        gathered = held + regathered
+        out[("all_gather", shard_group)] = compute_bytes * gathered
+        out[("reduce_scatter", shard_group)] = reduce_bytes * held
+    if dims.dp_replicate > 1:
+        out[("all_reduce", "dp_replicate")] = reduce_bytes * held / dims.dp_shard
+    return out
+
+
+def tp_collectives(s: Shape, dims: ParallelDims, stage: Stage, tokens: int, compute_bytes: int,
+                   ac: str) -> dict[tuple[str, str], float]:
+    """Tensor-parallel bytes of one micro-batch (sequence parallel, ``apply_tp``): each block all-gathers
+    the normalised input of attention and of the MLP and reduce-scatters the outputs of wo and w2, each a
+    ``tokens x dim`` tensor; backward does the converse. The embedding's output is reduce-scattered and
+    the final norm's output all-gathered for the output layer. Recomputation repeats the forward's
+    collectives: under full AC the two all-gathers and wo's reduce-scatter per block (torch's checkpoint
+    stops recomputing once backward has all it needs, before w2 and its reduce-scatter), under selective
+    "op" AC the two all-gathers (it saves reduce-scatter outputs). The loss-parallel and norm-gradient
+    all-reduces (a few numbers per token) are not counted."""
+    if dims.tp == 1:
+        return {}
+    a = compute_bytes * tokens * s.dim
+    layers = stage.layers
+    gathers = 2 * layers * 2  # forward + backward
+    scatters = 2 * layers * 2
+    if stage.first:
+        scatters += 1  # embedding output, forward
+        gathers += 1  # its gradient, backward
+    if stage.last:
+        gathers += 1  # final norm output into the output layer
+        scatters += 1  # its gradient
+    if ac == "selective_op":
+        gathers += 2 * layers
+    elif ac != "none":
+        recomputed = layers if ac == "full" else math.ceil(layers / int(ac.split("_", 1)[1]))
+        gathers, scatters = gathers + 2 * recomputed, scatters + recomputed
+    return {("all_gather", "tp"): a * gathers, ("reduce_scatter", "tp"): a * scatters}
+
+
+def pipeline_p2p(s: Shape, dims: ParallelDims, stage: Stage, microbatches: int, mb_tokens: int,
+                 act_bytes: int) -> dict[tuple[str, str], float]:
+    """Per local batch: a stage that is not first receives each micro-batch's activations and sends back
+    their gradient; one that is not last sends its output and receives its gradient. Under TP the
+    activations between stages are sequence-sharded."""
+    count = (0 if stage.first else 1) + (0 if stage.last else 1)
+    if dims.pp == 1 or count == 0:
+        return {}
+    one = act_bytes * mb_tokens * s.dim / dims.tp
+    return {("send", "pp"): microbatches * one * count, ("recv", "pp"): microbatches * one * count}
+
+
+# --------------------------------------------------------------------------------------------------
+# FLOPs of one micro-batch
+# --------------------------------------------------------------------------------------------------
+
+
+def step_flops(s: Shape, stage: Stage, tokens: int, seq_len: int, tp: int, ac: str) -> dict[str, float]:
+    """FLOPs one rank runs: ``model`` is the PaLM count (``flops_per_token``: 6 per matmul parameter per
+    token, 12 L H Q T for attention; forward + backward) of this rank's share; ``flash_recompute`` is
+    what torch's SDPA backward formula adds (it counts flash attention recomputing the scores: backward
+    2.5x forward instead of 2x); ``ac_recompute`` is the forward work activation checkpointing repeats:
+    a checkpointed block's forward up to w2 (torch's non-reentrant checkpoint stops recomputing once
+    backward has every tensor it needs, and w2's output is not one), or under selective "op" AC the
+    matmuls it does not save."""
+    h, kv, ffn = s.dim, s.kv_dim, s.ffn
+    sizes = {"wq": h * h, "wk": h * kv, "wv": h * kv, "wo": h * h, "w1": h * ffn, "w3": h * ffn, "w2": h * ffn}
+    layer_fwd = 2 * tokens * sum(sizes.values()) / tp
+    attn_fwd = 4 * tokens * seq_len * h / tp  # QK^T and AV, full (non-causal) count as in PaLM
+    output_fwd = 2 * tokens * s.vocab * h / tp if stage.last else 0
+    L = stage.layers
+    model = 3 * (L * (layer_fwd + attn_fwd) + output_fwd)
+    if ac == "selective_op":
+        recompute = L * 2 * tokens * sum(sizes[m] for m in SELECTIVE_OP_RECOMPUTED) / tp
+    elif ac != "none":
+        recomputed = L if ac == "full" else math.ceil(L / int(ac.split("_", 1)[1]))
+        recompute = recomputed * (layer_fwd - 2 * tokens * sizes["w2"] / tp + attn_fwd)
+    else:
+        recompute = 0.0
+    flash = L * attn_fwd / 2
+    return {"model": model, "flash_recompute": flash, "ac_recompute": recompute,
+            "total": model + flash + recompute}
+
+
+# --------------------------------------------------------------------------------------------------
+# trainer plan's memory estimate
+# --------------------------------------------------------------------------------------------------
+
+
+def plan_memory(s: Shape, dims: ParallelDims, config, stage: Stage) -> dict:
+    """``trainer.plan.memory_estimate`` for this layout and this rank's pipeline stage, with its terms
+    grouped as the simulation reports them."""
+    from trainer.plan import _ac_name
+
+    t, p = config.training, config.parallelism
+    layout = PlanLayout(dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, t.local_batch_size, t.seq_len,
+                        _ac_name(config), p.pipeline_parallel_microbatch_size)
+    compute = "float32" if t.mixed_precision_param == "float32" else "bfloat16"
+    which = "first" if stage.first else "last" if stage.last else "middle"
+    est = memory_estimate(s, layout, compute_dtype=compute, cpu_offload=t.enable_cpu_offload,
+                          reshard_after_forward=p.fsdp_reshard_after_forward, stage=which)
+    return {
+        "params": est["params"], "grads": est["grads"], "optimizer": est["optimizer"],
+        "weight_copies": est["weight_copies"],
+        "activations": est["activations"] + est["recompute"] + est["final_norm"] + est["loss"],
+        "total": est["total"], "sum": est["sum"], "precision": est["precision"], "stage_layers": est["stage_layers"],
+    }
