@@ -125,12 +125,13 @@ def _check_observability(config) -> None:
 
 
 def _check_checkpoint(config) -> None:
-    from trainer.checkpoint import STATE_KEYS
-
     cfg = config.checkpoint
-    unknown = [k for k in cfg.exclude_from_loading if k not in STATE_KEYS]
-    if unknown:
-        raise ConfigError(f"checkpoint.exclude_from_loading: unknown entries {unknown}; valid: {list(STATE_KEYS)}")
+    if cfg.exclude_from_loading:  # imported only when needed: trainer.checkpoint imports torch
+        from trainer.checkpoint import STATE_KEYS
+
+        unknown = [k for k in cfg.exclude_from_loading if k not in STATE_KEYS]
+        if unknown:
+            raise ConfigError(f"checkpoint.exclude_from_loading: unknown entries {unknown}; valid: {list(STATE_KEYS)}")
     if cfg.initial_load_in_hf and not cfg.initial_load_path:
         raise ConfigError("checkpoint.initial_load_in_hf needs checkpoint.initial_load_path (the Hugging Face folder)")
 
@@ -151,7 +152,7 @@ def _check_model(config) -> None:
 
 def _check_data(config) -> None:
     """Sources and names resolve (no file is opened: a missing file is reported by the loader)."""
-    from trainer.data.loader import check_data_section
+    from trainer.data.checks import check_data_section
     from trainer.data.sources import training_specs, validation_spec
 
     check_data_section(config.data)
@@ -165,7 +166,7 @@ def _check_data(config) -> None:
 def _check_layout(config, world_size: int) -> None:
     """Degrees against the world size, the batch and shards against the data-parallel degree, and the
     model's heads and layers against tensor and pipeline parallel."""
-    from trainer.data.loader import grad_accum_steps
+    from trainer.data.checks import grad_accum_steps
     from trainer.parallel.dims import resolve_degrees
 
     rep, shard, tp, pp = resolve_degrees(config.parallelism, world_size)

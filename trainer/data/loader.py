@@ -37,6 +37,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from trainer.errors import ConfigError, DataStateError
+from trainer.data.checks import batch_geometry, check_data_section, grad_accum_steps  # noqa: F401 (re-exported)
 from trainer.data.pipeline import STAT_KEYS, DataPlan, ShardStream, Window
 from trainer.data.sources import (
     DataError, SourceOptions, SourceSpec, build_source, training_specs, validation_spec,
@@ -65,14 +66,6 @@ def data_seed(config) -> int:
     if config.data.seed is not None:
         return int(config.data.seed)
     return int(config.debug.seed) if config.debug.seed is not None else 0
-
-
-def check_data_section(d) -> None:
-    for key, minimum in (("num_shards", 1), ("num_workers", 0), ("prefetch_factor", 1), ("shuffle_window", 1),
-                         ("max_document_tokens", 0), ("long_document_windows", 1)):
-        value = getattr(d, key)
-        if value < minimum:
-            raise ConfigError(f"data.{key} must be >= {minimum}, got {value}")
 
 
 def build_plan(config, tokenizer, specs: list[SourceSpec], weights: list[float], *, num_shards: int,
@@ -109,26 +102,6 @@ def build_plan(config, tokenizer, specs: list[SourceSpec], weights: list[float],
         long_document_windows=d.long_document_windows, positions=d.document_positions, debug=d.debug_doc_ids,
         max_epochs=max_epochs,
     )
-
-
-def grad_accum_steps(config, dp: int) -> int:
-    """Micro-batches per optimizer step so that training.global_batch_size is honoured."""
-    t = config.training
-    per_pass = t.local_batch_size * dp
-    global_batch = per_pass if t.global_batch_size == -1 else t.global_batch_size
-    if global_batch % per_pass:
-        raise ConfigError(
-            f"training.global_batch_size ({global_batch}) must be a multiple of training.local_batch_size "
-            f"({t.local_batch_size}) x data-parallel degree ({dp}) = {per_pass}"
-        )
-    return global_batch // per_pass
-
-
-def batch_geometry(config, dp_world_size: int) -> tuple[int, int, int]:
-    """(local batch B, global batch G, micro-batches per step A)."""
-    accum = grad_accum_steps(config, dp_world_size)
-    b = int(config.training.local_batch_size)
-    return b, b * dp_world_size * accum, accum
 
 
 # --------------------------------------------------------------------------------------------------

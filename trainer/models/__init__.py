@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from .llama import (
-    LLAMA_FLAVORS,
-    LlamaModelArgs,
-    RopeScaling,
-    Transformer,
-    build_llama,
-    count_params,
-    flops_per_token,
-    get_llama_args,
-    model_num_params,
-)
+from .llama import LLAMA_FLAVORS, LlamaModelArgs, RopeScaling, build_llama, get_llama_args
+
+
+def __getattr__(name: str):  # Transformer and the counts import torch: loaded on first use (pre-flight stays light)
+    if name in ("Transformer", "count_params", "flops_per_token", "model_num_params"):
+        from . import llama
+
+        return getattr(llama, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # Model names accepted by get_model_args; all map to the one Llama implementation.
 MODEL_NAMES = ("llama", "llama2", "llama3")
