@@ -16,6 +16,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
+from trainer import compat
 from trainer.config.keys import field_types, iter_sections, leaf_keys, section_of, type_name
 from trainer.config.sections import JobConfig
 from trainer.config.validate import validate
@@ -234,6 +235,7 @@ def load_config(argv: list[str] | None = None, env: dict[str, str] | None = None
             section = getattr(section, part)
         setattr(section, f.name, converted)
     object.__setattr__(config, "_explicit", set(values))
+    compat.resolve(config)  # torchtitan's names (hf_assets_path, [training.dataloader]) onto ours
     validate(config)
     return config
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 
-from trainer import extensions
+from trainer import compat, extensions
 from trainer.config.keys import iter_values, section_of
 from trainer.errors import ConfigError
 
@@ -19,6 +19,7 @@ from trainer.errors import ConfigError
 def validate(config, world_size: int | None = None) -> None:
     """Raise ConfigError for the first rule the config breaks."""
     _check_numbers(config)
+    compat.check(config)  # torchtitan keys accepted only at their default, with the reason when set otherwise
     _check_core(config)
     _check_observability(config)
     _check_checkpoint(config)

@@ -69,7 +69,7 @@ def data_seed(config) -> int:
 
 
 def build_plan(config, tokenizer, specs: list[SourceSpec], weights: list[float], *, num_shards: int,
-               shuffle: bool, max_epochs: int | None) -> DataPlan:
+               shuffle: bool, max_epochs: int | None, seq_len: int | None = None) -> DataPlan:
     """Resolve sources (start-up errors for missing files happen here) and the packing settings."""
     d = config.data
     sep_id = tokenizer.bos_id if d.separator == "bos" else tokenizer.eos_id
@@ -96,7 +96,7 @@ def build_plan(config, tokenizer, specs: list[SourceSpec], weights: list[float],
                 )
     strip = tuple(t for t in (tokenizer.bos_id, tokenizer.eos_id) if t is not None)
     return DataPlan(
-        sources=sources, weights=list(weights), tokenizer=tokenizer, seq_len=int(config.training.seq_len),
+        sources=sources, weights=list(weights), tokenizer=tokenizer, seq_len=int(seq_len or config.training.seq_len),
         separator=d.separator, separator_id=int(sep_id), strip_ids=strip, num_shards=num_shards, seed=seed,
         shuffle=shuffle, shuffle_window=d.shuffle_window, max_document_tokens=d.max_document_tokens,
         long_document_windows=d.long_document_windows, positions=d.document_positions, debug=d.debug_doc_ids,
@@ -493,5 +493,7 @@ def build_val_loader(config, tokenizer, *, dp_rank: int, dp_world_size: int) -> 
     b = int(config.validation.local_batch_size)
     if b < 1:
         raise ConfigError(f"validation.local_batch_size must be >= 1, got {b}")
-    plan = build_plan(config, tokenizer, [validation_spec(config)], [1.0], num_shards=1, shuffle=False, max_epochs=1)
+    seq_len = config.validation.seq_len if config.validation.seq_len > 0 else config.training.seq_len
+    plan = build_plan(config, tokenizer, [validation_spec(config)], [1.0], num_shards=1, shuffle=False, max_epochs=1,
+                      seq_len=seq_len)
     return ValLoader(plan, dp_rank=dp_rank, dp_world_size=dp_world_size, local_batch_size=b)
