@@ -187,6 +187,20 @@ def parse_cli(argv: list[str]) -> dict[str, str | bool]:
     return out
 
 
+def _negated_flag(key: str, value: str | bool, known: dict) -> tuple[str, bool]:
+    """``--section.no_key`` (or ``--section.no-key``) sets the boolean ``section.key`` to false, as in
+    torchtitan's command lines; anything else unknown is a ConfigError with the closest key."""
+    section, _, name = key.rpartition(".")
+    target = f"{section}.{name[3:]}"
+    if name.startswith("no_") and target in known:
+        cls, f = known[target]
+        if field_types(cls)[f.name] is bool:
+            if value is not True:
+                raise ConfigError(f"--{key} takes no value (it sets {target} to false)")
+            return target, False
+    raise _unknown_key(key, list(known))
+
+
 def _is_number(s: str) -> bool:
     try:
         float(s)
@@ -200,10 +214,11 @@ def load_config(argv: list[str] | None = None, env: dict[str, str] | None = None
     argv = list(sys.argv[1:] if argv is None else argv)
     env = os.environ if env is None else env
     known = leaf_keys()
-    cli = parse_cli(argv)
-    for key in cli:
+    cli = {}
+    for key, value in parse_cli(argv).items():
         if key not in known:
-            raise _unknown_key(key, list(known))
+            key, value = _negated_flag(key, value, known)
+        cli[key] = value
 
     values: dict[str, tuple[Any, bool]] = {}
     config_file = cli.get("job.config_file") or env.get("CONFIG_FILE") or None
