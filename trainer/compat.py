@@ -122,6 +122,10 @@ def check(config) -> None:
     for (key, value), why in REFUSED_VALUES.items():
         if _get(config, key) == value:
             raise ConfigError(f"{key} = {json.dumps(value)} is not supported: {why}")
+    flavor = config.model.flavor
+    if flavor.endswith(("_flex", "_flex_attn", "_varlen", "_varlen_attn")):
+        raise ConfigError(f"model.flavor = {flavor!r} is not supported: torchtitan's flex/varlen variants use "
+                          f"document-masked attention, which is not implemented; use {flavor.split('_')[0]!r}")
     for c in config.model.converters:
         if c in REFUSED_CONVERTERS:
             raise ConfigError(f"model.converters: {c!r} is not supported: {REFUSED_CONVERTERS[c]}")
@@ -155,8 +159,12 @@ def _check_loader_workers(config) -> None:
 
 def resolve(config) -> None:
     """Map torchtitan's names onto this trainer's, in place (called once, right after parsing)."""
+    from trainer.models.llama.flavors import TORCHTITAN_FLAVORS
+
     explicit = getattr(config, "explicitly_set", lambda _key: False)
     m = config.model
+    # torchtitan's flavor names ("8B"): every consumer of model.flavor then sees the one table's name.
+    m.flavor = TORCHTITAN_FLAVORS.get(m.name, {}).get(m.flavor, m.flavor)
     # torchtitan reads the tokenizer from hf_assets_path; model.tokenizer_path, when given, wins.
     if m.hf_assets_path and not m.tokenizer_path:
         m.tokenizer_path = m.hf_assets_path

@@ -39,12 +39,15 @@ def get_model_args(name: str, flavor: str) -> LlamaModelArgs:
     """
     if name not in MODEL_NAMES:
         raise ValueError(f"unknown model {name!r}; valid models: {', '.join(MODEL_NAMES)}")
-    key = flavor
+    from .llama.flavors import TORCHTITAN_FLAVORS
+
+    key = TORCHTITAN_FLAVORS.get(name, {}).get(flavor, flavor)  # torchtitan's names ("8B") too
     if key not in LLAMA_FLAVORS and name != "llama" and f"{name}_{flavor}" in LLAMA_FLAVORS:
         key = f"{name}_{flavor}"
     if key not in LLAMA_FLAVORS:
         raise ValueError(
             f"unknown flavor {flavor!r} for model {name!r}; valid flavors: "
             + ", ".join(sorted(LLAMA_FLAVORS))
+            + (f" (torchtitan's: {', '.join(TORCHTITAN_FLAVORS[name])})" if name in TORCHTITAN_FLAVORS else "")
         )
     return get_llama_args(key)
