@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from trainer import compat, logs, observability
+from trainer import compat, launch, logs, observability
 from trainer.callbacks import CallbackList, RunView, build_callbacks
 from trainer.checkpoint import CheckpointManager, TrainState
 from trainer.config import JobConfig, help_text, load_config, to_toml, validate
@@ -634,6 +634,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer.train()
     except TrainerError as e:
         logger.error("%s: %s", e.label, e)
+        launch.record_failure(e.label, str(e))  # the launcher prints this line and exits with this code
         return e.exit_code
     except Exception as e:
         note = collective_failure_note(e, trainer)
@@ -647,4 +648,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    sys.exit(record(main)())  # record: a bug's traceback goes to torchrun's error file (the launcher's report)

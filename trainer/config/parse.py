@@ -227,9 +227,14 @@ def load_config(argv: list[str] | None = None, env: dict[str, str] | None = None
         if not path.is_file():
             raise ConfigError(f"job.config_file: no such file '{path}'")
         try:
-            data = tomllib.loads(path.read_text())
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"job.config_file: '{path}' is not valid TOML: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"job.config_file: '{path}' is not UTF-8 text (TOML must be): byte {e.object[e.start]:#x} "
+                              f"at offset {e.start}") from None
+        except OSError as e:
+            raise ConfigError(f"job.config_file: cannot read '{path}': {e.strerror}") from None
         for key, value in _flatten_toml(data).items():
             if key not in known:
                 raise ConfigError(f"{path}: {_unknown_key(key, list(known))}")

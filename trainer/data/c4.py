@@ -19,6 +19,10 @@ import os
 
 from trainer.errors import ConfigError
 
+class DataNotLocal(ConfigError):
+    """A torchtitan dataset name without dataset_path: refused, except by a dry run (which reads no data)."""
+
+
 # Name -> the allenai/c4 split its files are taken from (c4_test is torchtitan's 2K-row sample of train).
 SPLITS = {"c4": "train", "c4_test": "train", "c4_validation": "validation"}
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson", ".jsonl.gz", ".json.gz", ".ndjson.gz")
@@ -46,7 +50,7 @@ def c4_source(name: str, path: str, section: str) -> tuple[str, str, str]:
     """(kind, path or glob, config key) for torchtitan dataset ``name`` read from ``path``."""
     key = f"{section}.dataset_path"
     if not path:
-        raise ConfigError(
+        raise DataNotLocal(
             f"{section}.dataset = {name!r} is torchtitan's Hugging Face dataset (allenai/c4), which is read from "
             f"local files only here: set {key} to a local copy (a folder in the allenai/c4 layout, or JSON-lines "
             "or parquet files with a text field)"

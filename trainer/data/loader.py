@@ -72,9 +72,15 @@ def build_plan(config, tokenizer, specs: list[SourceSpec], weights: list[float],
                shuffle: bool, max_epochs: int | None, seq_len: int | None = None) -> DataPlan:
     """Resolve sources (start-up errors for missing files happen here) and the packing settings."""
     d = config.data
-    sep_id = tokenizer.bos_id if d.separator == "bos" else tokenizer.eos_id
+    separator = d.separator
+    sep_id = tokenizer.bos_id if separator == "bos" else tokenizer.eos_id
+    explicit = getattr(config, "explicitly_set", lambda _key: True)
+    if sep_id is None and not explicit("data.separator") and tokenizer.eos_id is not None:
+        # The default (BOS) with a tokenizer that has none: EOS ends every document instead.
+        logger.info("the tokenizer has no BOS token: documents are separated by EOS (data.separator = eos)")
+        separator, sep_id = "eos", tokenizer.eos_id
     if sep_id is None:
-        raise ConfigError(f"data.separator: the tokenizer has no {d.separator.upper()} token; choose the other one")
+        raise ConfigError(f"data.separator: the tokenizer has no {separator.upper()} token; choose the other one")
     seed = data_seed(config)
     fingerprint = tokenizer_fingerprint(tokenizer) if any(s.kind == "tokens" for s in specs) else {}
     opts = SourceOptions(text_field=d.text_field, text_document=d.text_document, seed=seed, shuffle=shuffle,
@@ -97,7 +103,7 @@ def build_plan(config, tokenizer, specs: list[SourceSpec], weights: list[float],
     strip = tuple(t for t in (tokenizer.bos_id, tokenizer.eos_id) if t is not None)
     return DataPlan(
         sources=sources, weights=list(weights), tokenizer=tokenizer, seq_len=int(seq_len or config.training.seq_len),
-        separator=d.separator, separator_id=int(sep_id), strip_ids=strip, num_shards=num_shards, seed=seed,
+        separator=separator, separator_id=int(sep_id), strip_ids=strip, num_shards=num_shards, seed=seed,
         shuffle=shuffle, shuffle_window=d.shuffle_window, max_document_tokens=d.max_document_tokens,
         long_document_windows=d.long_document_windows, positions=d.document_positions, debug=d.debug_doc_ids,
         max_epochs=max_epochs,
