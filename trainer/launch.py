@@ -34,7 +34,8 @@ def record_failure(label: str, message: str) -> None:
         return  # not under torchrun
     try:
         with open(path, "w", encoding="utf-8") as f:
-            json.dump({"message": f"{label}: {message}", "timestamp": int(time.time())}, f)
+            line = " ".join(f"{label}: {message}".split("\n"))  # the launcher prints it as one line
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
     except OSError:
         pass  # the console line was printed already; the report just lacks it
 

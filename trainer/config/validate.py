@@ -181,7 +181,7 @@ def _check_paths(config) -> None:
 
     m = config.model
     if m.tokenizer_path and not os.path.exists(os.path.expanduser(m.tokenizer_path)):
-        key = "model.tokenizer_path" if config.explicitly_set("model.tokenizer_path") else "model.hf_assets_path"
+        key = "model.hf_assets_path" if m.tokenizer_path == m.hf_assets_path else "model.tokenizer_path"
         raise ConfigError(f"{key}: no such file or folder {m.tokenizer_path!r} (a folder with tokenizer.json, "
                           "or a tokenizer file)")
     specs = training_specs(config)[0] + ([validation_spec(config)] if config.validation.enable else [])
