@@ -259,3 +259,55 @@ def test_debug_toml_trains_ten_steps_with_local_assets(tmp_path, monkeypatch):
     losses = [r["loss"] for r in records if "loss" in r]
     assert [r["step"] for r in records if "loss" in r] == list(range(1, 11))
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# docs/coming_from_torchtitan.md: the key table, generated here from the facts above
+# --------------------------------------------------------------------------------------------------
+
+# Keys whose default differs from torchtitan's on purpose, and why (the same words as in the docs).
+DEFAULT_DIFFERENCES = {
+    "job.description": "empty rather than a placeholder (it is written to summary.json)",
+    "profiling.profile_freq": "a trace every 10 steps slows a long run; torchtitan's own presets use 100",
+    "metrics.enable_tensorboard": "the events are small and always worth plotting; set false to match",
+    "model.hf_assets_path": "the bundled debug tokenizer stands in for torchtitan's ./tests/assets/tokenizer, "
+                            "which exists only inside its repository",
+    "training.dataset": "the bundled Shakespeare sample needs no download",
+    "validation.dataset": "the bundled Shakespeare sample's validation split",
+    "validation.seq_len": "-1: training.seq_len, so the validation loss compares with the training loss",
+    "validation.freq": "validating every 10 steps costs a lot in a long run; torchtitan's presets use 500",
+    "validation.steps": "a bounded pass; -1 (the whole set) is still accepted",
+    "activation_checkpoint.mode": "the small models one starts with need no recomputation",
+    "activation_checkpoint.selective_ac_option": "with mode selective, per-op saving is the better default",
+    "quantize.linear.float8.recipe_name": "torchtitan's None also means tensorwise scaling",
+    "quantize.linear.float8.filter_fqns": "the output layer stays in high precision, as every torchtitan preset "
+                                          "sets it",
+}
+_UNSET = (None, "", [])
+
+
+def key_table() -> str:
+    from trainer.compat import REFUSED
+    from trainer.config import JobConfig
+
+    ours = JobConfig()
+    rows = ["| key | torchtitan v0.2.2 default | here |", "| --- | --- | --- |"]
+    for key, spec in TORCHTITAN_KEYS.items():
+        theirs, here = spec["default"], section_of(ours, key)
+        if key in REFUSED:
+            what = f"refused unless the default: {REFUSED[key]}"
+        elif here == theirs or (here in _UNSET and theirs in _UNSET):
+            what = "same"
+        else:
+            what = f"default `{json.dumps(here)}`: {DEFAULT_DIFFERENCES[key]}"
+        rows.append(f"| `{key}` | `{json.dumps(theirs)}` | {what.replace('|', '/')} |")
+    return "\n".join(rows) + "\n"
+
+
+def test_docs_key_table_is_current():
+    doc = (ROOT / "docs" / "coming_from_torchtitan.md").read_text()
+    assert key_table() in doc, "regenerate: python -m tests.test_torchtitan_compat > the table in the doc"
+
+
+if __name__ == "__main__":
+    print(key_table(), end="")

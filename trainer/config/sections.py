@@ -106,8 +106,9 @@ class LRScheduler:
 @dataclass
 class Training:
     dataset: str = "shakespeare"
-    """Training data: a registered dataset name (shakespeare: the bundled sample corpus) or a source kind
-    with dataset_path."""
+    """Training data: a registered dataset name (shakespeare: the bundled sample corpus), torchtitan's c4 or
+    c4_test (read from dataset_path: an allenai/c4 folder or JSON-lines/parquet files, gzipped or not), or
+    a source kind with dataset_path."""
     dataset_path: str = ""
     """Path or glob of the training data; empty uses the registered dataset's bundled location."""
     local_batch_size: int = 8
@@ -340,7 +341,8 @@ class Validation:
     enable: bool = False
     """Evaluate the loss on held-out data during training."""
     dataset: str = "shakespeare"
-    """Validation data (registered dataset name or source kind)."""
+    """Validation data: registered dataset name, torchtitan's c4_validation (with dataset_path), or source
+    kind."""
     dataset_path: str = ""
     """Path or glob of the validation data; empty uses the registered dataset's validation split."""
     freq: int = 100
