@@ -157,6 +157,17 @@ def test_torchtitan_dataset_names_read_local_files(tmp_path):
     assert (spec.kind, spec.path) == ("jsonl", str(sample))
 
 
+def test_print_config_logs_and_save_config_file_writes(tmp_path, caplog):
+    from trainer.compat import announce
+
+    c = load_config(["--job.print_config", "--job.save_config_file", "sub/config.json", "--job.dump_folder",
+                     str(tmp_path), "--training.steps", "7"], env={})
+    with caplog.at_level("INFO", logger="trainer"):
+        announce(c, rank=0)
+    assert "Running with configs" in caplog.text and '"steps": 7' in caplog.text
+    assert json.loads((tmp_path / "sub" / "config.json").read_text())["training"]["steps"] == 7
+
+
 # --------------------------------------------------------------------------------------------------
 # The learning-rate schedule, held against torchtitan's formula
 # --------------------------------------------------------------------------------------------------
