@@ -155,6 +155,16 @@ def test_torchtitan_dataset_names_read_local_files(tmp_path):
     spec = training_specs(load_config(["--training.dataset", "c4_test", "--training.dataset_path", str(sample)],
                                       env={}))[0][0]
     assert (spec.kind, spec.path) == ("jsonl", str(sample))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    converted = tmp_path / "c4_parquet" / "en"  # the hub's parquet conversion: same columns
+    converted.mkdir(parents=True)
+    pq.write_table(pa.table({"text": ["a b", "c d"], "timestamp": ["t", "t"], "url": ["u", "v"]}),
+                   converted / "c4-train.00000-of-00001.parquet")
+    spec = training_specs(load_config(["--training.dataset", "c4", "--training.dataset_path",
+                                       str(converted.parent)], env={}))[0][0]
+    assert spec.kind == "parquet" and spec.path.endswith("c4-train.*")
 
 
 def test_print_config_logs_and_save_config_file_writes(tmp_path, caplog):
