@@ -7,7 +7,9 @@
 # MAX_RESTARTS (torchrun restarts after a failure). Under Slurm or PBS these are derived from the
 # scheduler's variables (see scripts/launch_env.sh). Multi-node extras: RDZV_ID (job id shared by all
 # nodes), RDZV_CONF (torchrun --rdzv-conf, e.g. join_timeout=900), LOCAL_ADDR (this node's address as
-# the other nodes reach it). RUN_TRAIN_DRY=1 prints the torchrun command instead of running it.
+# the other nodes reach it). RUN_TRAIN_DRY=1 prints the torchrun command instead of running it. A worker's
+# failure prints one line and exits with its code (2 config, 3 checkpoint, 4 data); torchrun's full report
+# is in <dump_folder>/launcher/<host>.log.
 # See docs/multinode.md.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -25,6 +27,10 @@ CONFIG_FILE=${CONFIG_FILE:-"$ROOT/train_configs/debug_model.toml"}
 if [ -z "${NGPU:-}" ]; then
     NGPU=$(command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -c GPU || true)
     [ "${NGPU:-0}" -ge 1 ] 2>/dev/null || NGPU=1
+fi
+if ! [[ "$NGPU" =~ ^[1-9][0-9]*$ ]]; then
+    echo "run_train.sh: NGPU=$NGPU must be a positive whole number (processes per node)" >&2
+    exit 2
 fi
 # Scheduler variables (Slurm, PBS) fill in NNODES, NODE_RANK and the rendezvous endpoint.
 source "$ROOT/scripts/launch_env.sh"
@@ -72,7 +78,9 @@ if [ "$MAX_RESTARTS" -gt 0 ]; then
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 fi
 
-CMD=("$PYTHON" -m torch.distributed.run "${TORCHRUN_ARGS[@]}" -m trainer.train --job.config_file "$CONFIG_FILE" "$@")
+# trainer.launch is torch.distributed.run (the same options) whose failure report is one line and the
+# failed worker's exit code (2 config, 3 checkpoint, 4 data), with torchrun's report in the dump folder.
+CMD=("$PYTHON" -m trainer.launch "${TORCHRUN_ARGS[@]}" -m trainer.train --job.config_file "$CONFIG_FILE" "$@")
 if [ -n "${RUN_TRAIN_DRY:-}" ]; then
     # The command this node would run, shell-quoted on one line; nothing is started.
     [ -z "${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-}" ] || printf 'TORCH_DISABLE_SHARE_RDZV_TCP_STORE=%q ' "$TORCH_DISABLE_SHARE_RDZV_TCP_STORE"

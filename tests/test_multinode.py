@@ -45,9 +45,9 @@ DEADLINE_S = 540  # all runs together, on a loaded 2-core machine
 
 
 def torchrun_args(line: str) -> dict[str, str]:
-    """``--key=value`` options between ``torch.distributed.run`` and ``-m trainer.train`` (flags map to "")."""
+    """``--key=value`` options between ``trainer.launch`` (torchrun) and ``-m trainer.train`` (flags map to "")."""
     words = shlex.split(line)
-    start = words.index("torch.distributed.run") + 1
+    start = words.index("trainer.launch") + 1  # torch.distributed.run with a one-line failure report
     end = words.index("trainer.train") - 1
     args = {}
     for w in words[start:end]:
@@ -108,7 +108,7 @@ def test_slurm_batch_script_starts_one_launcher_per_node(tmp_path):
            "SLURM_SUBMIT_DIR": str(ROOT), "NGPU": "8", "SLURM_CPUS_PER_TASK": "64"}
     proc = dry(["bash", str(ROOT / "scripts/slurm/train.sbatch"), "--training.steps", "7"], env, tmp_path)
     assert "--ntasks-per-node=1" in proc.stderr and "--cpus-per-task=64" in proc.stderr, proc.stderr
-    runs = [torchrun_args(line) for line in proc.stdout.splitlines() if "torch.distributed.run" in line]
+    runs = [torchrun_args(line) for line in proc.stdout.splitlines() if "trainer.launch" in line]
     assert [r["--node-rank"] for r in runs] == ["0", "1", "2"]
     for r in runs:
         assert r["--nnodes"] == "3" and r["--nproc-per-node"] == "8"
@@ -125,7 +125,7 @@ def test_pbs_batch_script_starts_one_launcher_per_node(tmp_path):
            "NGPU": "4", "TRAIN_ARGS": "--training.steps 9 --metrics.log_freq 3"}
     proc = dry(["bash", str(ROOT / "scripts/pbs/train.pbs")], env, tmp_path)
     assert "-n 2 --ppn 1" in proc.stderr, proc.stderr
-    runs = [torchrun_args(line) for line in proc.stdout.splitlines() if "torch.distributed.run" in line]
+    runs = [torchrun_args(line) for line in proc.stdout.splitlines() if "trainer.launch" in line]
     assert [r["--node-rank"] for r in runs] == ["0", "1"]
     for r in runs:  # the second copy has no node file: NNODES and MASTER_ADDR came from the script
         assert r["--nnodes"] == "2" and r["--nproc-per-node"] == "4"

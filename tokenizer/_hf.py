@@ -19,7 +19,10 @@ class HFTokenizer:
     """A `tokenizer.json` loaded with HF `tokenizers`.
 
     BOS/EOS/pad come from a `tokenizer_config.json` next to the file if it names them,
-    else from the usual token names (`<|begin_of_text|>`/`<s>`/`<bos>`, ...).
+    else from the usual token names (`<|begin_of_text|>`/`<s>`/`<bos>`, ...). As torchtitan does, the
+    special tokens that file declares (its bos/eos/pad/unk/... keys and `added_tokens_decoder`) are added
+    to the tokenizer when `tokenizer.json` lacks them, so a folder whose BOS/EOS exist only there works.
+    A post-processor in `tokenizer.json` never adds tokens: `encode` adds exactly the BOS/EOS asked for.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -34,17 +37,41 @@ class HFTokenizer:
             raise ValueError(f"could not load {self.path} as a Hugging Face tokenizer.json: {e}") from e
         # Special-token strings inside documents are data: encode them as plain text.
         self._tok.encode_special_tokens = True
+        config = self._config()
+        self._add_declared_specials(config)
         self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
-        names = self._config_token_names()
+        names = self._config_token_names(config)
         self.bos_id = self._find_id(names.get("bos_token"), BOS_CANDIDATES)
         self.eos_id = self._find_id(names.get("eos_token"), EOS_CANDIDATES)
         self.pad_id = self._find_id(names.get("pad_token"), PAD_CANDIDATES)
 
-    def _config_token_names(self) -> dict[str, str]:
-        config = self.path.parent / "tokenizer_config.json"
-        if not config.is_file():
+    def _config(self) -> dict:
+        path = self.path.parent / "tokenizer_config.json"
+        if not path.is_file():
             return {}
-        cfg = json.loads(config.read_text(encoding="utf-8"))
+        try:
+            cfg = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+        return cfg if isinstance(cfg, dict) else {}
+
+    def _add_declared_specials(self, cfg: dict) -> None:
+        """Add the special tokens tokenizer_config.json declares (ids: the tokenizer's next free ones when
+        tokenizer.json lacks them, as with torchtitan's loader)."""
+        from tokenizers import AddedToken
+
+        declared = []
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token"):
+            value = cfg.get(key)
+            declared.append(value if isinstance(value, dict) else {"content": value})
+        declared += [v for v in (cfg.get("added_tokens_decoder") or {}).values() if isinstance(v, dict)]
+        tokens = [AddedToken(d["content"], single_word=d.get("single_word", False), lstrip=d.get("lstrip", False),
+                             rstrip=d.get("rstrip", False), normalized=d.get("normalized", False), special=True)
+                  for d in declared if isinstance(d.get("content"), str) and self._tok.token_to_id(d["content"]) is None]
+        if tokens:
+            self._tok.add_special_tokens(tokens)
+
+    def _config_token_names(self, cfg: dict) -> dict[str, str]:
         names = {}
         for key in ("bos_token", "eos_token", "pad_token"):
             value = cfg.get(key)

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import logging
 import math
 
 import torch
 
 if TYPE_CHECKING:
     from trainer.config.sections import LRScheduler, Optimizer
+
+logger = logging.getLogger("trainer")
 
 
 def build_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: Optimizer) -> torch.optim.Optimizer:
@@ -32,41 +35,62 @@ def build_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: Optimizer
 
 
 class LRSchedule:
-    """Linear warmup, an optional constant phase, then decay to ``lr * min_lr_factor``.
+    """torchtitan's warmup-stable-decay schedule, step for step, as a pure function of the step.
 
-    A pure function of the step (1-based: the optimizer step about to be taken), so a resumed run needs
-    no scheduler state and may change lr, warmup or min_lr_factor when it restarts. ``rewarmup`` re-warms
-    linearly over N steps after a checkpoint load (GLM-130B's remedy after a restart).
+    ``step`` is 1-based (the optimizer step about to be taken); torchtitan's LambdaLR evaluates its
+    factor at ``step - 1``, and the arithmetic below is its: with T steps in the schedule
+    (lr_scheduler.total_steps or training.steps), W = min(warmup_steps, T) warmup steps (clamped with a
+    warning), D decay steps (round(T * decay_ratio), at most T - W; T - W without a ratio) and
+    S = T + 1 - W - D stable steps (one more than the run needs: a virtual last step keeps the final lr
+    above lr * min_lr_factor):
+
+    - step <= W: lr * step / W
+    - step <= W + S: lr
+    - after: lr * (m + (1 - m) * shape(p)), p = (step - W - S) / D, m = min_lr_factor, shape linear 1 - p,
+      sqrt 1 - sqrt(p), cosine (1 + cos(pi p)) / 2; our extra ``constant`` keeps lr.
+
+    Past the schedule (p > 1, only when total_steps < training.steps) lr stays at lr * m, where
+    torchtitan's formula would run past its end. Being a function of the step, a resumed run needs no
+    scheduler state. ``rewarmup`` re-warms linearly over N steps after a checkpoint load (GLM-130B's remedy
+    after a restart).
     """
 
     def __init__(self, cfg: LRScheduler, base_lr: float, total_steps: int):
         self.cfg = cfg
         self.base_lr = base_lr
-        self.total_steps = total_steps
+        self.total_steps = cfg.total_steps if cfg.total_steps is not None else total_steps
+        t = self.total_steps
+        self.warmup = int(cfg.warmup_steps)
+        if self.warmup > t:
+            logger.warning("lr_scheduler.warmup_steps (%d) exceeds the schedule's %d steps: warming up over %d "
+                           "steps instead (as torchtitan does)", self.warmup, t, t)
+            self.warmup = t
+        self.decay = t - self.warmup
+        if cfg.decay_ratio is not None:
+            self.decay = round(t * cfg.decay_ratio)
+            if self.warmup + self.decay > t:
+                logger.warning("lr_scheduler: warmup (%d) + decay (%d) steps exceed the schedule's %d steps: "
+                               "decaying over %d steps", self.warmup, self.decay, t, t - self.warmup)
+                self.decay = t - self.warmup
+        self.stable = t + 1 - self.warmup - self.decay
         self.rewarmup_from: int | None = None
         self.rewarmup_steps = 0
 
     def factor(self, step: int) -> float:
         cfg = self.cfg
-        warmup = cfg.warmup_steps
-        if step <= warmup:
-            f = step / warmup if warmup > 0 else 1.0
+        if step <= self.warmup:
+            f = float(step / self.warmup)
+        elif step <= self.warmup + self.stable or cfg.decay_type == "constant" or self.decay == 0:
+            f = 1.0
         else:
-            decay_steps = self.total_steps - warmup
-            if cfg.decay_ratio is not None:
-                decay_steps = round(self.total_steps * cfg.decay_ratio)
-            decay_start = self.total_steps - decay_steps
-            if step <= decay_start or decay_steps <= 0 or cfg.decay_type == "constant":
-                f = 1.0
-            else:
-                progress = min(1.0, (step - decay_start) / decay_steps)
-                if cfg.decay_type == "linear":
-                    shape = 1.0 - progress
-                elif cfg.decay_type == "cosine":
-                    shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-                else:  # sqrt
-                    shape = 1.0 - math.sqrt(progress)
-                f = cfg.min_lr_factor + (1.0 - cfg.min_lr_factor) * shape
+            progress = min(1.0, float(step - self.warmup - self.stable) / self.decay)
+            if cfg.decay_type == "linear":
+                shape = 1 - progress
+            elif cfg.decay_type == "sqrt":
+                shape = 1 - math.sqrt(progress)
+            else:  # cosine
+                shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+            f = cfg.min_lr_factor + (1 - cfg.min_lr_factor) * shape
         if self.rewarmup_from is not None and self.rewarmup_steps > 0:
             f *= min(1.0, (step - self.rewarmup_from) / self.rewarmup_steps)
         return f

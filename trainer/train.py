@@ -26,13 +26,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from trainer import logs, observability
+from trainer import compat, launch, logs, observability
 from trainer.callbacks import CallbackList, RunView, build_callbacks
 from trainer.checkpoint import CheckpointManager, TrainState
 from trainer.config import JobConfig, help_text, load_config, to_toml, validate
 from trainer.errors import TrainerError
 from trainer.data import build_train_loader, build_val_loader
-from trainer.data.loader import grad_accum_steps
+from trainer.data.checks import grad_accum_steps
 from trainer.data.tokenizer import load_tokenizer
 from trainer.fingerprint import sequence_fingerprint, wrap_int64
 from trainer.metrics import MetricsWriter, Throughput, console_line, format_eta, memory_gib, peak_tflops, use_color
@@ -414,7 +414,9 @@ class Trainer:
     def run_step(self, step: int, obs) -> dict:
         """One iteration of the loop: the step, its log record, a checkpoint if due, the heartbeat."""
         config = self.config
-        if step % config.training.gc_freq == 0:
+        if config.training.gc_debug:  # every step, all generations: leaks show up at once
+            gc.collect()
+        elif step % config.training.gc_freq == 0:
             gc.collect(1)
         crash_for_drill(config, self.rank, step)
         with obs.step(step):  # CUDA out-of-memory: memory snapshot, re-raised
@@ -434,6 +436,10 @@ class Trainer:
         config = self.config
         self.data_iter = iter(self.train_loader)
         gc.disable()
+        if config.training.gc_debug:
+            from torch.utils.viz._cycles import warn_tensor_cycles
+
+            warn_tensor_cycles()  # warns whenever a collection frees a reference cycle holding a tensor
         start_step = self.state.step
         if start_step >= config.training.steps:
             logger.info("checkpoint is already at step %d of %d: nothing to train", start_step, config.training.steps)
@@ -572,7 +578,7 @@ def configure_determinism(config: JobConfig, device: torch.device) -> None:
     torch.manual_seed(seed)
     if config.debug.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
+        torch.use_deterministic_algorithms(True, warn_only=config.debug.deterministic_warn_only)
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
 
@@ -611,9 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(argv)
         validate(config, int(os.environ.get("WORLD_SIZE", 1)))
-        if config.job.print_config:
-            print(to_toml(config))
-            return 0
+        compat.announce(config, int(os.environ.get("RANK", 0)))  # job.print_config, job.save_config_file
         if config.job.dry_run:
             dry_run(config)
             return 0
@@ -623,6 +627,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer.train()
     except TrainerError as e:
         logger.error("%s: %s", e.label, e)
+        launch.record_failure(e.label, str(e))  # the launcher prints this line and exits with this code
         return e.exit_code
     except Exception as e:
         note = collective_failure_note(e, trainer)
@@ -636,4 +641,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    sys.exit(record(main)())  # record: a bug's traceback goes to torchrun's error file (the launcher's report)

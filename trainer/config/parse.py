@@ -16,6 +16,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
+from trainer import compat
 from trainer.config.keys import field_types, iter_sections, leaf_keys, section_of, type_name
 from trainer.config.sections import JobConfig
 from trainer.config.validate import validate
@@ -186,6 +187,20 @@ def parse_cli(argv: list[str]) -> dict[str, str | bool]:
     return out
 
 
+def _negated_flag(key: str, value: str | bool, known: dict) -> tuple[str, bool]:
+    """``--section.no_key`` (or ``--section.no-key``) sets the boolean ``section.key`` to false, as in
+    torchtitan's command lines; anything else unknown is a ConfigError with the closest key."""
+    section, _, name = key.rpartition(".")
+    target = f"{section}.{name[3:]}"
+    if name.startswith("no_") and target in known:
+        cls, f = known[target]
+        if field_types(cls)[f.name] is bool:
+            if value is not True:
+                raise ConfigError(f"--{key} takes no value (it sets {target} to false)")
+            return target, False
+    raise _unknown_key(key, list(known))
+
+
 def _is_number(s: str) -> bool:
     try:
         float(s)
@@ -199,10 +214,11 @@ def load_config(argv: list[str] | None = None, env: dict[str, str] | None = None
     argv = list(sys.argv[1:] if argv is None else argv)
     env = os.environ if env is None else env
     known = leaf_keys()
-    cli = parse_cli(argv)
-    for key in cli:
+    cli = {}
+    for key, value in parse_cli(argv).items():
         if key not in known:
-            raise _unknown_key(key, list(known))
+            key, value = _negated_flag(key, value, known)
+        cli[key] = value
 
     values: dict[str, tuple[Any, bool]] = {}
     config_file = cli.get("job.config_file") or env.get("CONFIG_FILE") or None
@@ -211,9 +227,14 @@ def load_config(argv: list[str] | None = None, env: dict[str, str] | None = None
         if not path.is_file():
             raise ConfigError(f"job.config_file: no such file '{path}'")
         try:
-            data = tomllib.loads(path.read_text())
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"job.config_file: '{path}' is not valid TOML: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"job.config_file: '{path}' is not UTF-8 text (TOML must be): byte {e.object[e.start]:#x} "
+                              f"at offset {e.start}") from None
+        except OSError as e:
+            raise ConfigError(f"job.config_file: cannot read '{path}': {e.strerror}") from None
         for key, value in _flatten_toml(data).items():
             if key not in known:
                 raise ConfigError(f"{path}: {_unknown_key(key, list(known))}")
@@ -234,6 +255,7 @@ def load_config(argv: list[str] | None = None, env: dict[str, str] | None = None
             section = getattr(section, part)
         setattr(section, f.name, converted)
     object.__setattr__(config, "_explicit", set(values))
+    compat.resolve(config)  # torchtitan's names (hf_assets_path, [training.dataloader]) onto ours
     validate(config)
     return config
 

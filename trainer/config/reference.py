@@ -28,7 +28,7 @@ def documented_keys():
 
 def help_text() -> str:
     lines = [
-        "usage: run_train.sh [--section.key value | --section.key=value | --section.bool_key] ...",
+        "usage: run_train.sh [--section.key value | --section.key=value | --section.bool_key | --section.no_bool_key] ...",
         "",
         "Keys are read from the TOML file given by CONFIG_FILE (or --job.config_file), then overridden on",
         "the command line. Lists are comma-separated. Every key, with its default:",
@@ -53,7 +53,9 @@ def markdown_reference() -> str:
         "",
         "Keys are set in a TOML file (`CONFIG_FILE=path ./run_train.sh` or `--job.config_file path`) and",
         "overridden on the command line as `--section.key value` or `--section.key=value` (booleans also as",
-        "a bare `--section.key`; lists comma-separated). Precedence: command line > TOML > defaults.",
+        "a bare `--section.key`, and false as `--section.no_key` or `--section.no-key`, as in torchtitan; lists",
+        "comma-separated). Precedence: command line > TOML > defaults. torchtitan v0.2.x files load unchanged:",
+        "see docs/coming_from_torchtitan.md.",
     ]
     current = None
     for section, name, tp, default, doc in documented_keys():

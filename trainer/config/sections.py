@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from trainer import extensions
+from trainer.config.torchtitan import (
+    SECTION_DOC as _TORCHTITAN_SECTION_DOC, Experimental, FaultTolerance, LoaderWorkers, MemoryEstimation, MXLinear,
+    QuantizeGroupedMM,
+)
 from trainer.data.config import Data
 
 @dataclass
@@ -23,9 +27,16 @@ class Job:
     description: str = ""
     """Free text describing the run; saved in config.toml and summary.json."""
     print_config: bool = False
-    """Print the resolved configuration and exit without training."""
+    """Log the resolved configuration (JSON) at start-up, then train, as torchtitan does. To print it
+    without training: `trainer config [--job.config_file X ...]` (TOML)."""
     dry_run: bool = False
     """Validate the config and build the model on the meta device (no memory allocated), then exit."""
+    save_config_file: str | None = None
+    """Also write the resolved configuration as JSON to <dump_folder>/<this file> (rank 0); None: only the
+    config.toml every run writes there."""
+    custom_config_module: str = ""
+    """Refused unless empty: torchtitan's way to extend JobConfig from a Python module; here extensions add
+    their sections through the registry (trainer/extensions.py)."""
 
 
 @dataclass
@@ -35,9 +46,15 @@ class Model:
     flavor: str = "debugmodel"
     """Model size, a key of the flavor table: debugmodel, llama2_7b, llama2_13b, llama2_70b, llama3_1b,
     llama3_3b, llama3_8b, llama3_70b, llama3_405b."""
+    hf_assets_path: str = ""
+    """A Hugging Face assets folder, as torchtitan uses it: tokenizer.json with tokenizer_config.json (BOS,
+    EOS and other special tokens it declares are honoured), optionally config.json and safetensors weights
+    (loaded when checkpoint.initial_load_in_hf is set without initial_load_path). Empty: the bundled debug
+    tokenizer (torchtitan's default is its test folder ./tests/assets/tokenizer)."""
     tokenizer_path: str = ""
-    """tokenizer.json (HF tokenizers), sentencepiece tokenizer.model (Llama 2) or tiktoken file (Llama 3).
-    Empty: the bundled debug BPE tokenizer."""
+    """tokenizer.json (HF tokenizers) or a folder holding one, sentencepiece tokenizer.model (Llama 2) or
+    tiktoken file (Llama 3); wins over hf_assets_path for the tokenizer. Empty: hf_assets_path, else the
+    bundled debug BPE tokenizer."""
     vocab_size: int = -1
     """Embedding rows. -1: the flavor's published vocabulary, or for flavors without one (debugmodel) the
     tokenizer's vocabulary rounded up to a multiple of 64 (faster matmuls)."""
@@ -63,17 +80,25 @@ class Optimizer:
     """Decoupled weight decay, applied to 2-D weights only (matrices and embeddings; not norms)."""
     implementation: Literal["fused", "foreach", "for-loop"] = "fused"
     """AdamW kernel: fused (one kernel per step where the device supports it), foreach, or for-loop."""
+    early_step_in_backward: bool = False
+    """Refused unless false: stepping the optimizer inside backward is not implemented (it also rules out
+    gradient clipping)."""
 
 
 @dataclass
 class LRScheduler:
     warmup_steps: int = 200
-    """Steps of linear warmup from lr/warmup_steps to lr."""
+    """Steps of linear warmup from lr/warmup_steps to lr; longer than the schedule (total_steps) is clamped
+    to it with a warning, as torchtitan does."""
+    total_steps: int | None = None
+    """Steps the schedule spans; None: training.steps. Lets a short run follow a long run's curve."""
     decay_ratio: float | None = None
-    """Fraction of training.steps spent decaying at the end (warmup-stable-decay). None: decay over all
+    """Fraction of the schedule spent decaying at the end (warmup-stable-decay). None: decay over all
     steps after warmup."""
     decay_type: Literal["linear", "cosine", "sqrt", "constant"] = "linear"
-    """Shape of the decay from lr to lr * min_lr_factor; constant keeps lr after warmup."""
+    """Shape of the decay from lr to lr * min_lr_factor; constant keeps lr after warmup. The schedule is
+    torchtitan's step for step: the decay ends one step past the schedule, so the last step's lr is just
+    above lr * min_lr_factor."""
     min_lr_factor: float = 0.0
     """Final learning rate as a fraction of optimizer.lr."""
 
@@ -81,8 +106,9 @@ class LRScheduler:
 @dataclass
 class Training:
     dataset: str = "shakespeare"
-    """Training data: a registered dataset name (shakespeare: the bundled sample corpus) or a source kind
-    with dataset_path."""
+    """Training data: a registered dataset name (shakespeare: the bundled sample corpus), torchtitan's c4 or
+    c4_test (read from dataset_path: an allenai/c4 folder or JSON-lines/parquet files, gzipped or not), or
+    a source kind with dataset_path."""
     dataset_path: str = ""
     """Path or glob of the training data; empty uses the registered dataset's bundled location."""
     local_batch_size: int = 8
@@ -105,6 +131,13 @@ class Training:
     """Keep FSDP-sharded parameters, gradients and optimizer state in CPU memory."""
     gc_freq: int = 50
     """Run Python's garbage collector every this many steps (automatic GC is disabled during training)."""
+    gc_debug: bool = False
+    """Collect all generations every step and warn about reference cycles holding tensors (slow; for
+    finding leaks)."""
+    dtype: Literal["bfloat16", "float32"] = "float32"
+    """Refused unless float32: pure bf16 training (parameters and optimizer state in bf16) is not
+    supported; mixed_precision_param gives bf16 compute with float32 master weights."""
+    dataloader: LoaderWorkers = field(default_factory=LoaderWorkers)
     z_loss_weight: float = 0.0
     """Weight of the z-loss (log of the softmax normaliser, squared) added to the loss; 0 disables."""
 
@@ -137,6 +170,29 @@ class Parallelism:
     """Transformer blocks per (virtual) stage; None: split the blocks evenly over the stages."""
     module_fqns_per_model_part: list[list[str]] = field(default_factory=list)
     """Explicit module names for each (virtual) stage, e.g. [["tok_embeddings","layers.0"],["layers.1","norm","output"]]."""
+    pipeline_parallel_first_stage_less_layers: int = 1
+    """Refused unless 1. The automatic split already gives the first stage (which also holds the embedding)
+    no more blocks than the middle ones; use module_fqns_per_model_part for an exact split."""
+    pipeline_parallel_last_stage_less_layers: int = 1
+    """Refused unless 1. The automatic split already gives the last stage (which also holds norm and output)
+    no more blocks than the middle ones; use module_fqns_per_model_part for an exact split."""
+    pipeline_parallel_schedule_csv: str | None = ""
+    """Refused unless empty: schedules are chosen by name (pipeline_parallel_schedule), not read from CSV."""
+    pipeline_parallel_expert_parallel_overlap: bool = True
+    """Refused unless true: expert parallelism (and with it this overlap) is not supported."""
+    context_parallel_degree: int = 1
+    """Refused unless 1: context parallelism is not implemented (torch's context-parallel SDPA has no CPU
+    kernel; what a GPU build needs is in docs/coming_from_torchtitan.md)."""
+    context_parallel_load_balancer: str | None = "headtail"
+    """Refused unless "headtail" (context parallelism only, see context_parallel_degree)."""
+    context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
+    """Refused unless "allgather" (context parallelism only, see context_parallel_degree)."""
+    expert_parallel_degree: int = 1
+    """Refused unless 1: the Llama models here have no mixture-of-experts layers."""
+    expert_tensor_parallel_degree: int = 1
+    """Refused unless 1: the Llama models here have no mixture-of-experts layers."""
+    expert_parallel_comm_backend: Literal["standard", "deepep"] = "standard"
+    """Refused unless "standard": the Llama models here have no mixture-of-experts layers."""
 
 
 @dataclass
@@ -181,15 +237,45 @@ class Checkpoint:
     drill_disk_bytes: int = -1
     """Fault drill: pretend the checkpoint folder sits on a filesystem of this many bytes (free space is
     this minus what the folder holds); -1 measures the real filesystem."""
+    enable_ft_dataloader_checkpoints: bool = True
+    """Refused unless true (TorchFT only; the data-loader state is in every checkpoint anyway)."""
+    initial_load_in_hf_quantized: bool = False
+    """Refused unless false: quantized Hugging Face checkpoints are not read."""
+    last_save_in_hf: bool = False
+    """Refused unless false: the final save is a DCP checkpoint; `trainer export` writes Hugging Face
+    safetensors from it."""
+    enable_first_step_checkpoint: bool = False
+    """Refused unless false: not implemented; checkpoint.interval = 1 with training.steps = 1 checks saving
+    on a new cluster."""
+    load_only: bool = False
+    """Refused unless false: not implemented; checkpoint.enable = false with checkpoint.initial_load_path
+    starts from a checkpoint without saving."""
 
 
 @dataclass
 class ActivationCheckpoint:
-    mode: Literal["none", "full", "selective"] = "none"
-    """Recompute activations in backward: none, full (every block), or selective."""
+    mode: Literal["none", "full", "selective", "memory_budget"] = "none"
+    """Recompute activations in backward: none, full (every block), or selective; memory_budget (torch.compile's
+    partitioner) is refused. torchtitan's default is selective with option "2"; ours is none, the fastest
+    choice for the small models one starts with."""
     selective_ac_option: str = "op"
     """For selective mode: "op" saves the results of expensive ops (matmuls, attention) and recomputes the
-    rest; an integer N checkpoints every N-th block."""
+    rest; an integer N checkpoints every N-th block. (torchtitan's default: "2".)"""
+    per_op_sac_force_recompute_mm_shapes_by_fqns: list[str] = field(default_factory=lambda: ["moe.router.gate"])
+    """Refused unless ["moe.router.gate"]: forcing the recomputation of chosen matmul shapes is not implemented
+    (the default names a mixture-of-experts router, which these models do not have)."""
+    early_stop: bool = False
+    """Refused unless false: not wired to torch.utils.checkpoint's early stop."""
+    memory_budget: float = 0.5
+    """Refused unless 0.5 (mode memory_budget only, which is refused)."""
+    visualize_memory_budget_pareto: bool = False
+    """Refused unless false (mode memory_budget only, which is refused)."""
+    preserve_rng_state: bool = True
+    """Stash and restore the RNG state around each recomputation (torch.utils.checkpoint's option)."""
+    determinism_check: str = "default"
+    """torch.utils.checkpoint's check that the recomputation matches the original ("default" or "none")."""
+    debug: bool = False
+    """torch.utils.checkpoint's debug mode: on a mismatch, report the ops that ran (slow)."""
 
 
 @dataclass
@@ -224,11 +310,13 @@ class Float8:
 @dataclass
 class QuantizeLinear:
     float8: Float8 = field(default_factory=Float8)
+    mx: MXLinear = field(default_factory=MXLinear)
 
 
 @dataclass
 class Quantize:
     linear: QuantizeLinear = field(default_factory=QuantizeLinear)
+    grouped_mm: QuantizeGroupedMM = field(default_factory=QuantizeGroupedMM)
 
 
 @dataclass
@@ -241,6 +329,8 @@ class Metrics:
     """TensorBoard folder, relative to job.dump_folder."""
     enable_wandb: bool = False
     """Also log to Weights & Biases (needs the wandb package)."""
+    save_for_all_ranks: bool = False
+    """Refused unless false: TensorBoard and W&B records are written once per run, not per rank."""
     disable_color_printing: bool = False
     """Never color console output (color is only used on a terminal anyway)."""
     peak_tflops: float = -1.0
@@ -252,7 +342,8 @@ class Validation:
     enable: bool = False
     """Evaluate the loss on held-out data during training."""
     dataset: str = "shakespeare"
-    """Validation data (registered dataset name or source kind)."""
+    """Validation data: registered dataset name, torchtitan's c4_validation (with dataset_path), or source
+    kind."""
     dataset_path: str = ""
     """Path or glob of the validation data; empty uses the registered dataset's validation split."""
     freq: int = 100
@@ -261,6 +352,10 @@ class Validation:
     """Batches per validation; -1 runs the whole validation set."""
     local_batch_size: int = 8
     """Sequences per validation batch on each data-parallel rank."""
+    seq_len: int = -1
+    """Tokens per validation sequence, at most training.seq_len. -1: training.seq_len, so the validation loss
+    compares with the training loss (torchtitan's default is 2048 whatever training.seq_len)."""
+    dataloader: LoaderWorkers = field(default_factory=LoaderWorkers)
 
 
 @dataclass
@@ -308,6 +403,9 @@ class Comm:
     comm.init_timeout_seconds if that is longer, a checkpoint save checkpoint.timeout_seconds more. Set it
     below comm.train_timeout_seconds to get every rank's stacks before a collective timeout ends the run.
     0 disables."""
+    mode: Literal["default", "fake_backend", "local_tensor"] = "default"
+    """Refused unless "default": torchtitan's fake-backend and local-tensor modes are not here; job.dry_run
+    checks a layout without devices, and parity tests run layouts on CPU with gloo."""
 
 
 @dataclass
@@ -317,6 +415,10 @@ class Debug:
     identical across parallel layouts for the same seed)."""
     deterministic: bool = False
     """Use deterministic algorithms so that repeated runs are bitwise identical."""
+    deterministic_warn_only: bool = False
+    """With deterministic: warn about ops that have no deterministic implementation instead of failing."""
+    moe_force_load_balance: bool = False
+    """Refused unless false: the Llama models here have no mixture-of-experts layers."""
     inject_bad_data_steps: list[int] = field(default_factory=list)
     """Fault drill: replace the batch at these steps with uniformly random tokens."""
     inject_nonfinite_loss_steps: list[int] = field(default_factory=list)
@@ -372,8 +474,10 @@ _CORE_SECTIONS: list[tuple[str, type]] = [
     ("training", Training), ("parallelism", Parallelism), ("checkpoint", Checkpoint),
     ("activation_checkpoint", ActivationCheckpoint), ("compile", Compile), ("quantize", Quantize),
     ("metrics", Metrics), ("data", Data), ("validation", Validation), ("profiling", Profiling),
-    ("comm", Comm), ("debug", Debug),
+    ("comm", Comm), ("memory_estimation", MemoryEstimation), ("fault_tolerance", FaultTolerance),
+    ("experimental", Experimental), ("debug", Debug),
 ]
+SECTION_DOC.update(_TORCHTITAN_SECTION_DOC)
 
 
 def _assemble() -> type:

@@ -9,9 +9,11 @@ layout) run when it is given. Extensions add their rules through the registry.
 from __future__ import annotations
 
 import math
+import os
+import stat
 
 
-from trainer import extensions
+from trainer import compat, extensions
 from trainer.config.keys import iter_values, section_of
 from trainer.errors import ConfigError
 
@@ -19,6 +21,7 @@ from trainer.errors import ConfigError
 def validate(config, world_size: int | None = None) -> None:
     """Raise ConfigError for the first rule the config breaks."""
     _check_numbers(config)
+    compat.check(config)  # torchtitan keys accepted only at their default, with the reason when set otherwise
     _check_core(config)
     _check_observability(config)
     _check_checkpoint(config)
@@ -26,6 +29,8 @@ def validate(config, world_size: int | None = None) -> None:
     _check_data(config)
     if world_size is not None:
         _check_layout(config, world_size)
+        if not config.job.dry_run:  # a dry run reads no file: presets check on any machine
+            _check_paths(config)
     extensions.check_config(config, world_size)
 
 
@@ -125,12 +130,13 @@ def _check_observability(config) -> None:
 
 
 def _check_checkpoint(config) -> None:
-    from trainer.checkpoint.state import STATE_KEYS
-
     cfg = config.checkpoint
-    unknown = [k for k in cfg.exclude_from_loading if k not in STATE_KEYS]
-    if unknown:
-        raise ConfigError(f"checkpoint.exclude_from_loading: unknown entries {unknown}; valid: {list(STATE_KEYS)}")
+    if cfg.exclude_from_loading:  # imported only when needed: trainer.checkpoint imports torch
+        from trainer.checkpoint.state import STATE_KEYS
+
+        unknown = [k for k in cfg.exclude_from_loading if k not in STATE_KEYS]
+        if unknown:
+            raise ConfigError(f"checkpoint.exclude_from_loading: unknown entries {unknown}; valid: {list(STATE_KEYS)}")
     if cfg.initial_load_in_hf and not cfg.initial_load_path:
         raise ConfigError("checkpoint.initial_load_in_hf needs checkpoint.initial_load_path (the Hugging Face folder)")
 
@@ -150,22 +156,58 @@ def _check_model(config) -> None:
 
 
 def _check_data(config) -> None:
-    """Sources and names resolve (no file is opened: a missing file is reported by the loader)."""
-    from trainer.data.loader import check_data_section
+    """Sources and names resolve (no file is opened; whether files exist is _check_paths')."""
+    from trainer.data.c4 import DataNotLocal
+    from trainer.data.checks import check_data_section
     from trainer.data.sources import training_specs, validation_spec
 
     check_data_section(config.data)
-    training_specs(config)
+    try:
+        training_specs(config)
+        if config.validation.enable:
+            validation_spec(config)
+    except DataNotLocal:
+        if not config.job.dry_run:  # torchtitan's c4 without a local copy: fine for a dry run, which reads none
+            raise
     if config.validation.enable:
-        validation_spec(config)
         if config.validation.local_batch_size < 1:
             raise ConfigError(f"validation.local_batch_size must be >= 1, got {config.validation.local_batch_size}")
+
+
+def _check_paths(config) -> None:
+    """What a run will read exists and the dump folder can be written: checked (stat only, nothing opened)
+    before the launcher starts any process, so the mistake is one line, not a worker's failure."""
+    from trainer.data.sources import training_specs, validation_spec
+
+    m = config.model
+    if m.tokenizer_path and not os.path.exists(os.path.expanduser(m.tokenizer_path)):
+        key = "model.hf_assets_path" if m.tokenizer_path == m.hf_assets_path else "model.tokenizer_path"
+        raise ConfigError(f"{key}: no such file or folder {m.tokenizer_path!r} (a folder with tokenizer.json, "
+                          "or a tokenizer file)")
+    specs = training_specs(config)[0] + ([validation_spec(config)] if config.validation.enable else [])
+    for spec in specs:
+        path = os.path.expanduser(spec.path)
+        if spec.kind == "hf" or any(ch in path for ch in "*?["):
+            continue  # hub names and globs resolve when the loader lists them
+        if not os.path.exists(path):
+            raise ConfigError(f"{spec.key}: no such file or folder {spec.path!r}")
+    folder = os.path.abspath(os.path.expanduser(config.job.dump_folder))
+    existing = folder
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        what = "is a file" if existing == folder else f"is inside {existing!r}, which is a file"
+        raise ConfigError(f"job.dump_folder: {config.job.dump_folder!r} {what}; give a folder")
+    mode = os.stat(existing).st_mode
+    if (not os.access(existing, os.W_OK | os.X_OK) or not mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH)
+            or os.statvfs(existing).f_flag & os.ST_RDONLY):
+        raise ConfigError(f"job.dump_folder: {existing!r} is read-only; give a folder the run can write to")
 
 
 def _check_layout(config, world_size: int) -> None:
     """Degrees against the world size, the batch and shards against the data-parallel degree, and the
     model's heads and layers against tensor and pipeline parallel."""
-    from trainer.data.loader import grad_accum_steps
+    from trainer.data.checks import grad_accum_steps
     from trainer.parallel.dims import resolve_degrees
 
     rep, shard, tp, pp = resolve_degrees(config.parallelism, world_size)

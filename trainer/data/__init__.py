@@ -9,24 +9,20 @@
 See docs/data.md for sources, separators, sharding and the resume guarantee.
 """
 
-from trainer.data.loader import (
-    DataStateError,
-    TrainLoader,
-    ValLoader,
-    aggregate_stats,
-    build_train_loader,
-    build_val_loader,
-    merge_states,
-)
-from trainer.data.sources import DataError
+import importlib
 
-__all__ = [
-    "DataError",
-    "DataStateError",
-    "TrainLoader",
-    "ValLoader",
-    "aggregate_stats",
-    "build_train_loader",
-    "build_val_loader",
-    "merge_states",
-]
+# Resolved on first use (PEP 562): importing the package must not import torch, because the config
+# sections import trainer.data.config and the launcher's pre-flight should stay torch-free.
+_EXPORTS = {
+    "DataError": "trainer.data.sources", "DataStateError": "trainer.errors", "TrainLoader": "trainer.data.loader",
+    "ValLoader": "trainer.data.loader", "aggregate_stats": "trainer.data.loader",
+    "build_train_loader": "trainer.data.loader", "build_val_loader": "trainer.data.loader",
+    "merge_states": "trainer.data.loader",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'trainer.data' has no attribute {name!r}")

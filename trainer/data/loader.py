@@ -38,6 +38,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from trainer.data.prefetch import Prefetcher
 from trainer.errors import ConfigError, DataStateError
+from trainer.data.checks import batch_geometry
 from trainer.fingerprint import sequence_fingerprint
 from trainer.data.pipeline import STAT_KEYS, DataPlan, ShardStream, Window
 from trainer.data.sources import (
@@ -69,22 +70,19 @@ def data_seed(config) -> int:
     return int(config.debug.seed) if config.debug.seed is not None else 0
 
 
-def check_data_section(d) -> None:
-    for key, minimum in (("num_shards", 1), ("num_workers", 0), ("prefetch_factor", 1), ("prefetch_batches", 0),
-                         ("shuffle_window", 1),
-                         ("max_document_tokens", 0), ("long_document_windows", 1)):
-        value = getattr(d, key)
-        if value < minimum:
-            raise ConfigError(f"data.{key} must be >= {minimum}, got {value}")
-
-
 def build_plan(config, tokenizer, specs: list[SourceSpec], weights: list[float], *, num_shards: int,
-               shuffle: bool, max_epochs: int | None) -> DataPlan:
+               shuffle: bool, max_epochs: int | None, seq_len: int | None = None) -> DataPlan:
     """Resolve sources (start-up errors for missing files happen here) and the packing settings."""
     d = config.data
-    sep_id = tokenizer.bos_id if d.separator == "bos" else tokenizer.eos_id
+    separator = d.separator
+    sep_id = tokenizer.bos_id if separator == "bos" else tokenizer.eos_id
+    explicit = getattr(config, "explicitly_set", lambda _key: True)
+    if sep_id is None and not explicit("data.separator") and tokenizer.eos_id is not None:
+        # The default (BOS) with a tokenizer that has none: EOS ends every document instead.
+        logger.info("the tokenizer has no BOS token: documents are separated by EOS (data.separator = eos)")
+        separator, sep_id = "eos", tokenizer.eos_id
     if sep_id is None:
-        raise ConfigError(f"data.separator: the tokenizer has no {d.separator.upper()} token; choose the other one")
+        raise ConfigError(f"data.separator: the tokenizer has no {separator.upper()} token; choose the other one")
     seed = data_seed(config)
     fingerprint = tokenizer_fingerprint(tokenizer) if any(s.kind == "tokens" for s in specs) else {}
     opts = SourceOptions(text_field=d.text_field, text_document=d.text_document, seed=seed, shuffle=shuffle,
@@ -106,32 +104,12 @@ def build_plan(config, tokenizer, specs: list[SourceSpec], weights: list[float],
                 )
     strip = tuple(t for t in (tokenizer.bos_id, tokenizer.eos_id) if t is not None)
     return DataPlan(
-        sources=sources, weights=list(weights), tokenizer=tokenizer, seq_len=int(config.training.seq_len),
-        separator=d.separator, separator_id=int(sep_id), strip_ids=strip, num_shards=num_shards, seed=seed,
+        sources=sources, weights=list(weights), tokenizer=tokenizer, seq_len=int(seq_len or config.training.seq_len),
+        separator=separator, separator_id=int(sep_id), strip_ids=strip, num_shards=num_shards, seed=seed,
         shuffle=shuffle, shuffle_window=d.shuffle_window, max_document_tokens=d.max_document_tokens,
         long_document_windows=d.long_document_windows, positions=d.document_positions, debug=d.debug_doc_ids,
         max_epochs=max_epochs,
     )
-
-
-def grad_accum_steps(config, dp: int) -> int:
-    """Micro-batches per optimizer step so that training.global_batch_size is honoured."""
-    t = config.training
-    per_pass = t.local_batch_size * dp
-    global_batch = per_pass if t.global_batch_size == -1 else t.global_batch_size
-    if global_batch % per_pass:
-        raise ConfigError(
-            f"training.global_batch_size ({global_batch}) must be a multiple of training.local_batch_size "
-            f"({t.local_batch_size}) x data-parallel degree ({dp}) = {per_pass}"
-        )
-    return global_batch // per_pass
-
-
-def batch_geometry(config, dp_world_size: int) -> tuple[int, int, int]:
-    """(local batch B, global batch G, micro-batches per step A)."""
-    accum = grad_accum_steps(config, dp_world_size)
-    b = int(config.training.local_batch_size)
-    return b, b * dp_world_size * accum, accum
 
 
 # --------------------------------------------------------------------------------------------------
@@ -555,5 +533,7 @@ def build_val_loader(config, tokenizer, *, dp_rank: int, dp_world_size: int) -> 
     b = int(config.validation.local_batch_size)
     if b < 1:
         raise ConfigError(f"validation.local_batch_size must be >= 1, got {b}")
-    plan = build_plan(config, tokenizer, [validation_spec(config)], [1.0], num_shards=1, shuffle=False, max_epochs=1)
+    seq_len = config.validation.seq_len if config.validation.seq_len > 0 else config.training.seq_len
+    plan = build_plan(config, tokenizer, [validation_spec(config)], [1.0], num_shards=1, shuffle=False, max_epochs=1,
+                      seq_len=seq_len)
     return ValLoader(plan, dp_rank=dp_rank, dp_world_size=dp_world_size, local_batch_size=b)

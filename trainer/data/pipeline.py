@@ -230,6 +230,9 @@ class DocumentTokenizer:
                         f"{self.reader.source.spec.key} ({self.reader.source.label}): shard {self.reader.shard} "
                         f"has no usable document in a whole epoch (skipped: empty {stats['skipped_empty']}, "
                         f"malformed {stats['skipped_malformed']}, undecodable {stats['skipped_undecodable']})"
+                        # Malformed JSON-lines or columns usually mean the text is under another name.
+                        + (f"; is the text under another field than {self.reader.source.opts.text_field!r} "
+                           "(data.text_field)?" if stats["skipped_malformed"] else "")
                     )
                 continue
             if plan.max_document_tokens and len(ids) > plan.max_document_tokens:

@@ -17,6 +17,7 @@ the same sequences on either path.
 from __future__ import annotations
 
 import glob
+import gzip
 import json
 import os
 import re
@@ -26,6 +27,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from trainer.data.c4 import JSONL_SUFFIXES, SPLITS as C4_NAMES, c4_source, data_suffix
 from trainer.errors import ConfigError, DataError
 
 # Document status codes (also stored, in the low two bits, in a prepared dataset's status array).
@@ -44,7 +46,7 @@ REGISTRY: dict[str, dict[str, tuple[str, str]]] = {
     },
 }
 _EXTENSIONS = {
-    ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
+    **{suffix: "jsonl" for suffix in JSONL_SUFFIXES},
     ".txt": "text", ".text": "text", ".md": "text",
     ".parquet": "parquet", ".arrow": "arrow",
 }
@@ -116,7 +118,7 @@ def _infer_kind(path: str, key: str) -> str:
     expanded = os.path.expanduser(path)
     if os.path.isdir(expanded) and os.path.isfile(os.path.join(expanded, TOKENS_META)):
         return "tokens"
-    suffix = Path(path.rstrip("*")).suffix.lower()
+    suffix = data_suffix(path)
     if suffix in _EXTENSIONS:
         return _EXTENSIONS[suffix]
     raise ConfigError(
@@ -157,6 +159,9 @@ def validation_spec(config) -> SourceSpec:
 
 def _single_spec(dataset: str, dataset_path: str, section: str, split: str) -> SourceSpec:
     key = f"{section}.dataset"
+    if dataset in C4_NAMES:  # torchtitan's names, from local files (trainer/data/c4.py)
+        kind, path, path_key = c4_source(dataset, dataset_path, section)
+        return SourceSpec(kind, path, path_key, f"{dataset}:{dataset_path}")
     if dataset in REGISTRY:
         if dataset_path:
             kind = REGISTRY[dataset][split][0]
@@ -169,7 +174,7 @@ def _single_spec(dataset: str, dataset_path: str, section: str, split: str) -> S
     if ":" in dataset and not dataset_path:
         return parse_source(dataset, key=key, split=split)
     raise ConfigError(
-        f"{key}: unknown dataset or source kind {dataset!r}; registered datasets: {', '.join(REGISTRY)}; "
+        f"{key}: unknown dataset or source kind {dataset!r}; registered datasets: {', '.join([*REGISTRY, *C4_NAMES])}; "
         f"source kinds (with {section}.dataset_path): {', '.join(KINDS)}"
     )
 
@@ -193,7 +198,7 @@ def expand_files(spec: SourceSpec, extensions: tuple[str, ...]) -> list[str]:
         return files
     if os.path.isdir(path):
         files = sorted(
-            str(p) for p in Path(path).rglob("*") if p.is_file() and p.suffix.lower() in extensions
+            str(p) for p in Path(path).rglob("*") if p.is_file() and data_suffix(str(p)) in extensions
         )
         if not files:
             raise ConfigError(f"{spec.key}: folder {spec.path!r} holds no {'/'.join(extensions)} files")
@@ -287,7 +292,10 @@ class _LineFileSource(Source):
     def __init__(self, spec, index, opts):
         super().__init__(spec, index, opts)
         self.units = expand_files(spec, self.extensions)
-        self.sizes = [os.path.getsize(p) for p in self.units]
+        # Gzipped files (allenai/c4's .json.gz): coordinates are offsets in the decompressed stream, whose
+        # size the gzip trailer gives (modulo 4 GiB: the last part of a file reads on to its end).
+        self.gz = [p.lower().endswith(".gz") for p in self.units]
+        self.sizes = [_gzip_size(p) if gz else os.path.getsize(p) for p, gz in zip(self.units, self.gz)]
         self._fds: dict[int, int] = {}
 
     def __getstate__(self):
@@ -296,7 +304,10 @@ class _LineFileSource(Source):
         return state
 
     def iter_docs(self, unit, lo, hi, start, *, shard, num_shards, epoch):
-        with open(self.units[unit], "rb") as f:
+        gz = self.gz[unit]
+        if gz and hi >= self.sizes[unit]:
+            hi = float("inf")
+        with (gzip.open if gz else open)(self.units[unit], "rb") as f:  # gzip seeks forward by decompressing
             if start == lo and lo > 0:
                 f.seek(lo - 1)
                 f.readline()  # the rest of the line holding byte lo-1 belongs to the previous part
@@ -307,10 +318,13 @@ class _LineFileSource(Source):
                 line = f.readline()
                 if not line:
                     return
-                yield pos, pos + len(line), None  # payload read again on use: blocks hold offsets only
+                # Plain files: the payload is read again on use (blocks hold offsets only); gzip: kept.
+                yield pos, pos + len(line), (line if gz else None)
                 pos += len(line)
 
     def shard_is_empty(self, shard, num_shards):
+        if any(self.gz):
+            return None  # would mean decompressing up to every part's start
         for unit, path in enumerate(self.units):
             lo, hi = self.part(unit, shard, num_shards)
             if lo >= hi:
@@ -329,6 +343,8 @@ class _LineFileSource(Source):
         return len(self.units) if sum(self.sizes) < (256 << 20) else float("inf")
 
     def load(self, unit, coord, next_coord, payload):
+        if payload is not None:
+            return payload
         fd = self._fds.get(unit)
         if fd is None:
             if len(self._fds) >= 32:
@@ -340,9 +356,19 @@ class _LineFileSource(Source):
         return data
 
 
+def _gzip_size(path: str) -> int:
+    """Decompressed size from the gzip trailer (ISIZE: the size modulo 2**32)."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() < 18:
+            return 0
+        f.seek(-4, os.SEEK_END)
+        return int.from_bytes(f.read(4), "little")
+
+
 class JsonlSource(_LineFileSource):
     kind = "jsonl"
-    extensions = (".jsonl", ".json", ".ndjson")
+    extensions = JSONL_SUFFIXES
 
     def decode(self, payload):
         try:

@@ -12,17 +12,15 @@ import re
 
 from trainer.errors import ConfigError
 
-from .llama import (
-    LLAMA_FLAVORS,
-    LlamaModelArgs,
-    RopeScaling,
-    Transformer,
-    build_llama,
-    count_params,
-    flops_per_token,
-    get_llama_args,
-    model_num_params,
-)
+from .llama import LLAMA_FLAVORS, LlamaModelArgs, RopeScaling, build_llama, get_llama_args
+
+
+def __getattr__(name: str):  # Transformer and the counts import torch: loaded on first use (pre-flight stays light)
+    if name in ("Transformer", "count_params", "flops_per_token", "model_num_params"):
+        from . import llama
+
+        return getattr(llama, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # Model names accepted by get_model_args; all map to the one Llama implementation.
 MODEL_NAMES = ("llama", "llama2", "llama3")
@@ -48,7 +46,11 @@ __all__ = [
 
 
 def _flavor_key(name: str, flavor: str) -> str | None:
-    """The key of ``LLAMA_FLAVORS`` that ``flavor`` names for model ``name``, or None."""
+    """The key of ``LLAMA_FLAVORS`` that ``flavor`` names for model ``name`` (ours, or torchtitan's such
+    as "8B"), or None."""
+    from .llama.flavors import TORCHTITAN_FLAVORS
+
+    flavor = TORCHTITAN_FLAVORS.get(name, {}).get(flavor, flavor)
     if flavor in LLAMA_FLAVORS:
         return flavor
     if name != "llama" and f"{name}_{flavor}" in LLAMA_FLAVORS:
@@ -71,9 +73,12 @@ def get_model_args(name: str, flavor: str) -> LlamaModelArgs:
     fewer = _FEWER_LAYERS.match(flavor)
     base = _flavor_key(name, fewer["base"]) if fewer else None
     if base is None:
+        from .llama.flavors import TORCHTITAN_FLAVORS
+
         raise ValueError(
             f"unknown flavor {flavor!r} for model {name!r}; valid flavors: "
             + ", ".join(sorted(LLAMA_FLAVORS)) + " (or <flavor>_<N>l: the flavor with N layers)"
+            + (f"; torchtitan's: {', '.join(TORCHTITAN_FLAVORS[name])}" if name in TORCHTITAN_FLAVORS else "")
         )
     return dataclasses.replace(get_llama_args(base), n_layers=int(fewer["layers"]))
 

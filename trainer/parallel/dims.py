@@ -6,12 +6,11 @@ from typing import TYPE_CHECKING
 
 from dataclasses import dataclass
 
-import torch
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
 from trainer.errors import ConfigError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch is imported where it is used, so the launcher's pre-flight stays torch-free
+    from torch.distributed.device_mesh import DeviceMesh
+
     from trainer.config.sections import Parallelism
 
 
@@ -44,6 +43,8 @@ class ParallelDims:
         return self.dp > 1
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
+        from torch.distributed.device_mesh import init_device_mesh
+
         names = ("pp", "dp_replicate", "dp_shard", "tp")
         shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
@@ -58,6 +59,8 @@ class ParallelDims:
 
 
 def device_type() -> str:
+    import torch
+
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -54,7 +54,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, config: 
             torch._inductor.config._micro_pipeline_tp = True
             enable_symm_mem_for_group(mesh["tp"].get_group().group_name)
     if config.activation_checkpoint.mode != "none":
-        apply_ac(model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option)
+        apply_ac(model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option,
+                 config.activation_checkpoint)
     if config.compile.enable and "model" in config.compile.components:
         apply_compile(model, config.compile.backend)
     if dims.fsdp_enabled:
@@ -166,19 +167,24 @@ def _op_policy():
     return context_fn
 
 
-def apply_ac(model: nn.Module, mode: str, selective_option: str) -> None:
-    """Wrap transformer blocks with activation checkpointing (full, every N-th block, or per op)."""
+def apply_ac(model: nn.Module, mode: str, selective_option: str, ac=None) -> None:
+    """Wrap transformer blocks with activation checkpointing (full, every N-th block, or per op). ``ac``
+    (the [activation_checkpoint] section) passes torch.utils.checkpoint's own options through."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    options = dict(preserve_rng_state=False, determinism_check="none")  # callers without the section
+    if ac is not None:
+        options = dict(preserve_rng_state=ac.preserve_rng_state, determinism_check=ac.determinism_check,
+                       debug=ac.debug)
 
     every = int(selective_option) if mode == "selective" and selective_option != "op" else 1
     for i, (name, block) in enumerate(list(model.layers.items())):
         if i % every:
             continue
         if mode == "selective" and selective_option == "op":
-            wrapped = checkpoint_wrapper(block, context_fn=_op_policy(), preserve_rng_state=False,
-                                         determinism_check="none")
+            wrapped = checkpoint_wrapper(block, context_fn=_op_policy(), **options)
         else:
-            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+            wrapped = checkpoint_wrapper(block, **options)
         model.layers[name] = wrapped
 
 

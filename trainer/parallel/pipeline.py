@@ -15,13 +15,13 @@ import copy
 import difflib
 from dataclasses import dataclass
 
-import torch
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-
 from trainer.errors import ConfigError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch is imported where it is used, so the launcher's pre-flight stays torch-free
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+
     from trainer.config import JobConfig
 
 # Schedules with one stage per rank; the others run several (virtual) stages per rank.
@@ -156,6 +156,7 @@ def n_microbatches(config: JobConfig, schedule: str) -> int:
 def build_schedule(stage_modules: list[nn.Module], stage_ids: list[int], num_stages: int, pp_mesh: DeviceMesh,
                    device: torch.device, config: JobConfig, loss_fn):
     """The schedule driving this rank's stages."""
+    import torch
     from torch.distributed.pipelining import PipelineStage, schedules
 
     name = schedule_name(config.parallelism.pipeline_parallel_schedule)

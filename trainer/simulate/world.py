@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.config import JobConfig, validate
-from trainer.data.loader import grad_accum_steps
+from trainer.data.checks import grad_accum_steps
 from trainer.errors import ConfigError
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.parallelize import DTYPES, parallelize

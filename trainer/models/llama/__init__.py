@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 from .args import LlamaModelArgs, RopeScaling
 from .flavors import LLAMA_FLAVORS
-from .flops import count_params, flops_per_token, model_num_params
-from .model import Transformer
+
+# The torch-importing parts load on first use, so the launcher's pre-flight (flavor lookup) stays torch-free.
+_LAZY = {"Transformer": ".model", "count_params": ".flops", "flops_per_token": ".flops", "model_num_params": ".flops"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "LlamaModelArgs",
@@ -54,8 +62,10 @@ def build_llama(
     flavor_or_args: str | LlamaModelArgs,
     vocab_size: int | None = None,
     max_seq_len: int | None = None,
-) -> Transformer:
+) -> "Transformer":
     """Build a ``Transformer`` on the current default device (use ``torch.device("meta")`` as
     a context manager for a deferred build). ``vocab_size``/``max_seq_len`` override the
     flavor's values; ``vocab_size`` is required when the flavor leaves it at -1."""
+    from .model import Transformer
+
     return Transformer(get_llama_args(flavor_or_args, vocab_size, max_seq_len))

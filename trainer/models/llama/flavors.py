@@ -135,3 +135,12 @@ LLAMA_FLAVORS: dict[str, LlamaModelArgs] = {
         max_seq_len=131072,
     ),
 }
+
+# torchtitan's flavor names, per model name (its llama3 table, and the llama2 table of its earlier
+# releases) -> the names above; "70B" means a different model under llama2 and llama3. torchtitan's own
+# "debugmodel" is MHA (16 kv heads) with a 2048-token vocabulary; ours keeps 4 kv heads so that tensor
+# parallel degrees 2 and 4 divide them (docs/coming_from_torchtitan.md).
+TORCHTITAN_FLAVORS: dict[str, dict[str, str]] = {
+    "llama3": {"8B": "llama3_8b", "70B": "llama3_70b", "405B": "llama3_405b"},
+    "llama2": {"7B": "llama2_7b", "13B": "llama2_13b", "70B": "llama2_70b"},
+}

@@ -1,0 +1,108 @@
+"""Sections that exist so that torchtitan v0.2.x config files load unchanged.
+
+Each of these is torchtitan's section with its key names, types and defaults. Most of them configure a
+feature this trainer does not have (MX or grouped-GEMM quantisation, fault tolerance, FSDP memory
+estimation, custom JobConfig modules): such a key is accepted at its default and refused, in one line
+naming it and why, when set otherwise (the table of reasons is ``trainer/compat.py``). The loader-worker
+section ``[training.dataloader]`` is honoured (it maps onto ``[data]``). See docs/coming_from_torchtitan.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class LoaderWorkers:
+    num_workers: int = 0
+    """torchtitan's name for loader worker processes per rank; training: the same as data.num_workers (set
+    one of the two), validation: must stay 0 (the validation pass runs in the training process)."""
+    persistent_workers: bool = False
+    """Keep loader workers alive between epochs. This trainer's workers always live for the whole run (the
+    data stream crosses epochs without restarting them); true needs num_workers > 0, as in PyTorch."""
+    pin_memory: bool = False
+    """torchtitan's name for data.pin_memory (training loader; validation: must stay false)."""
+    prefetch_factor: int | None = None
+    """torchtitan's name for data.prefetch_factor (training loader; needs num_workers > 0, as in PyTorch).
+    None: data.prefetch_factor."""
+
+
+@dataclass
+class MXLinear:
+    mxfp8_dim1_cast_kernel_choice: Literal["triton", "cuda", "torch"] = "triton"
+    """Refused unless "triton": MX (microscaling) training is not implemented here."""
+    recipe_name: str = "mxfp8_cublas"
+    """Refused unless "mxfp8_cublas": MX (microscaling) training is not implemented here."""
+    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
+    """Refused unless ["output"]: MX (microscaling) training is not implemented here."""
+
+
+@dataclass
+class Float8GroupedMM:
+    fqns: list[str] | str = field(default_factory=list)
+    """Refused unless empty: float8 grouped GEMMs are for mixture-of-experts layers, which the Llama models
+    here do not have."""
+
+
+@dataclass
+class MXGroupedMM:
+    recipe_name: Literal["mxfp8"] = "mxfp8"
+    """Accepted (its only value): MX grouped GEMMs are for mixture-of-experts layers, not present here."""
+    fqns: list[str] | str = field(default_factory=list)
+    """Refused unless empty: MX grouped GEMMs are for mixture-of-experts layers, not present here."""
+
+
+@dataclass
+class QuantizeGroupedMM:
+    float8: Float8GroupedMM = field(default_factory=Float8GroupedMM)
+    mx: MXGroupedMM = field(default_factory=MXGroupedMM)
+
+
+@dataclass
+class MemoryEstimation:
+    enable: bool = False
+    """Refused unless false: torchtitan's FSDP memory estimator is not here; `trainer plan` estimates
+    parameters, FLOPs and memory per GPU for a config and GPU count without running it."""
+    disable_fake_mode: bool = False
+    """Refused unless false (only used by the memory estimator, see memory_estimation.enable)."""
+
+
+@dataclass
+class FaultTolerance:
+    enable: bool = False
+    """Refused unless false: TorchFT replica groups are not supported; restarts are torchrun's (MAX_RESTARTS)
+    with resume from the last checkpoint (docs/multinode.md)."""
+    process_group: str = "gloo"
+    """Refused unless "gloo" (TorchFT only, see fault_tolerance.enable)."""
+    process_group_timeout_ms: int = 10000
+    """Refused unless 10000 (TorchFT only, see fault_tolerance.enable)."""
+    replica_id: int = 0
+    """Refused unless 0 (TorchFT only, see fault_tolerance.enable)."""
+    group_size: int = 0
+    """Refused unless 0 (TorchFT only, see fault_tolerance.enable)."""
+    min_replica_size: int = 1
+    """Refused unless 1 (TorchFT only, see fault_tolerance.enable)."""
+    semi_sync_method: str | None = None
+    """Refused unless None: local SGD and DiLoCo (TorchFT) are not supported."""
+
+
+@dataclass
+class Experimental:
+    custom_import: str = ""
+    """Refused unless empty: modules are not imported by name from the config; capabilities attach through
+    the extension registry (trainer/extensions.py)."""
+    custom_args_module: str = ""
+    """Refused unless empty (torchtitan's deprecated name of job.custom_config_module)."""
+
+
+SECTION_DOC = {
+    "training.dataloader": "torchtitan's loader-worker keys for training (the same as their [data] namesakes).",
+    "quantize.linear.mx": "torchtitan's MX quantisation (not implemented here; accepted at its defaults).",
+    "quantize.grouped_mm.float8": "torchtitan's float8 grouped GEMMs for MoE (no MoE here; defaults only).",
+    "quantize.grouped_mm.mx": "torchtitan's MX grouped GEMMs for MoE (no MoE here; defaults only).",
+    "memory_estimation": "torchtitan's FSDP memory estimator (not here: use `trainer plan`; defaults only).",
+    "fault_tolerance": "torchtitan's TorchFT integration (not supported; defaults only).",
+    "experimental": "torchtitan's custom imports (extensions use trainer/extensions.py; defaults only).",
+    "validation.dataloader": "torchtitan's loader-worker keys for validation (defaults only: it runs in-process).",
+}

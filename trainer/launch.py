@@ -1,0 +1,104 @@
+"""torchrun for run_train.sh: a worker's failure ends the launcher with one line and the worker's exit code.
+
+``python -m trainer.launch <torchrun options> -m trainer.train <trainer options>`` is
+``python -m torch.distributed.run`` with the same options, except for what a failure prints. torchrun
+reports a failed worker with a ``ChildFailedError`` traceback and exit code 1 whatever the worker said.
+Here:
+
+- a worker ending on a user's mistake (``TrainerError``: config 2, checkpoint or stopped 3, data 4) writes
+  its one line to the error file torchrun gives each worker (``TORCHELASTIC_ERROR_FILE``; ``record_failure``);
+- the launcher catches torchrun's ``ChildFailedError``, prints the first failed rank's line on stderr, and
+  exits with that worker's code;
+- a bug (any other exception) keeps its traceback (torchrun's ``record`` writes it to the error file, the
+  worker prints it) and the launcher names the log;
+- torchrun's own log lines and its full failure report go to ``<dump_folder>/launcher/<host>.log``, which
+  every failure line names.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import time
+
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+
+
+def record_failure(label: str, message: str) -> None:
+    """Worker side: leave this process's one-line error where torchrun's agent reads it."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path:
+        return  # not under torchrun
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            line = " ".join(f"{label}: {message}".split("\n"))  # the launcher prints it as one line
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
+    except OSError:
+        pass  # the console line was printed already; the report just lacks it
+
+
+def _dump_folder(trainer_argv: list[str]) -> str:
+    try:
+        from trainer.config import load_config
+
+        return load_config(trainer_argv).job.dump_folder
+    except Exception:  # the pre-flight has validated the config; this is only where the log goes
+        return "./outputs"
+
+
+def _log_file(dump_folder: str) -> str:
+    """torchrun's log lines (agent, rendezvous, failures) go to a file, not the console."""
+    path = os.path.join(dump_folder, "launcher", f"{socket.gethostname()}.log")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    elastic = logging.getLogger("torch.distributed")
+    elastic.handlers[:] = [handler]
+    elastic.setLevel(logging.INFO)
+    elastic.propagate = False
+    elastic.info("launch: %s", " ".join(sys.argv))
+    return path
+
+
+def _failure_line(error, log_path: str) -> tuple[str, int]:
+    """The console line and the exit code for torchrun's ChildFailedError."""
+    rank, failure = error.get_first_failure()
+    code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode  # a signal: 128 + its number
+    message = failure.message
+    if isinstance(message, dict):  # written by torchrun's `record` for an uncaught exception: a bug
+        text = str(message.get("message", "")).strip().splitlines()
+        return (f"error: rank {rank} failed with a bug (exit {code}): {text[-1] if text else '?'}; its traceback "
+                f"is on that rank's console and in {log_path}"), code
+    if failure.error_file_data.get("message") == message and message:  # the worker's own one line
+        return f"{message} (rank {rank}; torchrun's report: {log_path})", code
+    how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {code}"
+    return f"error: rank {rank} {how}; the cause is on that rank's console; torchrun's report: {log_path}", code
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(argv)
+    log_path = _log_file(_dump_folder(list(args.training_script_args)))
+    try:
+        run(args)
+    except ChildFailedError as e:
+        with open(log_path, "a", encoding="utf-8") as f:
+            f.write(e.format_msg() + "\n")
+        line, code = _failure_line(e, log_path)
+        print(line, file=sys.stderr)
+        return code
+    except SignalException as e:  # SIGTERM/SIGINT to the launcher: the workers were stopped
+        print(f"stopped by signal {e.sigval.name}; torchrun's log: {log_path}", file=sys.stderr)
+        return 128 + int(e.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
