@@ -18,8 +18,9 @@ from trainer.config.keys import iter_values, section_of
 from trainer.errors import ConfigError
 
 
-def validate(config, world_size: int | None = None) -> None:
-    """Raise ConfigError for the first rule the config breaks."""
+def validate(config, world_size: int | None = None, *, files: bool = True) -> None:
+    """Raise ConfigError for the first rule the config breaks. ``files`` False (dry runs and simulations,
+    which read no file) skips the checks that the tokenizer, data and dump folder are there."""
     _check_numbers(config)
     compat.check(config)  # torchtitan keys accepted only at their default, with the reason when set otherwise
     _check_core(config)
@@ -29,7 +30,7 @@ def validate(config, world_size: int | None = None) -> None:
     _check_data(config)
     if world_size is not None:
         _check_layout(config, world_size)
-        if not config.job.dry_run:  # a dry run reads no file: presets check on any machine
+        if files and not config.job.dry_run:  # presets can be checked on any machine
             _check_paths(config)
     extensions.check_config(config, world_size)
 

@@ -82,7 +82,7 @@ def check_layout(config: JobConfig, args, world_size: int) -> Layout:
     """Every check that can refuse a layout before it is built; raises ConfigError (one line)."""
     if world_size < 1:
         raise ConfigError(f"--ngpu must be at least 1, got {world_size}")
-    validate(config, world_size)  # every rule a real launch checks
+    validate(config, world_size, files=False)  # every rule a real launch checks, but the files it reads
     dims = ParallelDims.from_config(config.parallelism, world_size)
     if config.training.enable_cpu_offload:
         raise ConfigError("training.enable_cpu_offload is not simulated (it moves state to host memory, which "
