@@ -536,8 +536,8 @@ def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | No
                   "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.num_kv_heads,
                   "ffn_hidden_dim": args.ffn_hidden_dim},
         "flops_formula": "6 * N_non_embedding + 12 * n_layers * n_heads * head_dim * seq_len (PaLM, appendix B)",
-        "memory_formula": "per token per layer: norm(3) + 4*c*h + 4*n_heads + norm(2) + 4*c*F, norm(k) = 4h + r*h + 4 + "
-                          "(r*h if r == c else k*c*h); see trainer/plan.py and docs/performance.md",
+        "memory_formula": "per token per layer: norm(3) + 2*c*h + 2*c*kv + 4*n_heads + norm(2) + 4*c*F, norm(k) = "
+                          "r*h + 4 + (r*h if r == c else k*c*h); see trainer/plan.py and docs/performance.md",
         "gpu": {"name": gpu, "memory_gib": round(capacity / GiB, 2), "usable_fraction": usable_fraction},
         "ngpu": ngpu,
         "configured": {"layout": layout_json(configured), "estimate_gib": est_gib(est),
@@ -552,23 +552,29 @@ def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | No
         result["notes"].append(note)
     if "quantize.linear.float8" in config.model.converters or config.compile.enable:
         result["notes"].append("estimate is for eager bf16; compile and float8 usually need less activation memory")
-    fitting = [r for r in rows if r["fits"]]
-    if fitting:
-        best = fitting[0]
-        result["recommended"] = {"layout": layout_json(best["layout"]), "estimate_gib": est_gib(best["estimate"]),
-                                 "grad_accum_steps": best["grad_accum_steps"]}
-        if gb <= 0 and best["layout"].local_batch_size != configured.local_batch_size:
-            result["notes"].append("training.global_batch_size is -1 (local batch x data-parallel degree): the "
-                                   "recommended local batch changes the global batch; set global_batch_size to "
-                                   "keep it fixed")
-    else:
-        result["notes"].append(f"no layout of {ngpu} GPU(s) fits {gpu}: use more GPUs, pipeline parallel, "
-                               "CPU offload or a shorter seq_len")
+    _recommend(result, rows, configured, gb, ngpu, gpu, layout_json, est_gib)
     for r in rows[:top]:
         result["candidates"].append({"layout": layout_json(r["layout"]), "total_gib": round(r["estimate"]["total"] / GiB, 3),
                                      "fits": r["fits"], "grad_accum_steps": r["grad_accum_steps"]})
     result["measured"] = _measured_rows(config, configured, ngpu, est, measured)
     return result
+
+
+def _recommend(result: dict, rows: list[dict], configured: Layout, gb: int, ngpu: int, gpu: str,
+               layout_json, est_gib) -> None:
+    """The best fitting layout into ``result``, or a note that none fits."""
+    fitting = [r for r in rows if r["fits"]]
+    if not fitting:
+        result["notes"].append(f"no layout of {ngpu} GPU(s) fits {gpu}: use more GPUs, pipeline parallel, "
+                               "CPU offload or a shorter seq_len")
+        return
+    best = fitting[0]
+    result["recommended"] = {"layout": layout_json(best["layout"]), "estimate_gib": est_gib(best["estimate"]),
+                             "grad_accum_steps": best["grad_accum_steps"]}
+    if gb <= 0 and best["layout"].local_batch_size != configured.local_batch_size:
+        result["notes"].append("training.global_batch_size is -1 (local batch x data-parallel degree): the "
+                               "recommended local batch changes the global batch; set global_batch_size to "
+                               "keep it fixed")
 
 
 def _measured_rows(config: JobConfig, layout: Layout, ngpu: int, est: dict, measured: list[dict] | None) -> list:
