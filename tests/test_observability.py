@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import types
 import warnings
@@ -125,6 +126,10 @@ def _blocked_in_main_thread(seconds: float) -> None:
 
 def test_watchdog_dumps_every_thread_and_exits(tmp_path):
     exits, fired = [], []
+    release = threading.Event()  # more threads than faulthandler lists (100): the main thread must still show
+    crowd = [threading.Thread(target=release.wait, daemon=True) for _ in range(110)]
+    for t in crowd:
+        t.start()
     wd = Watchdog(0.3, tmp_path / "watchdog", rank=3, poll_s=0.05, exit_fn=exits.append, on_fire=fired.append,
                   exit_grace_s=0.0, backstop_grace_s=0, dump_on_sigterm=False)
     wd.start()
@@ -138,6 +143,7 @@ def test_watchdog_dumps_every_thread_and_exits(tmp_path):
     assert "rank 3: no progress" in text and "last completed: step 7" in text
     assert "most recent call first" in text and "wait_until" in text  # the main thread's frame
     assert fired and "rank3_stacks.txt" in fired[0]
+    release.set()
 
 
 def test_watchdog_heartbeats_and_allowances_keep_it_quiet_and_clean(tmp_path):

@@ -7,8 +7,10 @@ import faulthandler
 import logging
 import os
 import signal
+import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -17,6 +19,15 @@ logger = logging.getLogger("trainer")
 
 WATCHDOG_EXIT_CODE = 124  # like timeout(1): the run was stopped because it made no progress
 WATCHDOG_FOLDER = "watchdog"  # <dump_folder>/watchdog/rank<r>_stacks.txt
+
+
+def _main_thread_stack() -> str:
+    """The main thread's stack, written first: faulthandler lists at most 100 threads, newest first, so in a
+    process with many (data workers' feeders, prefetch threads) the thread that trains could be cut off."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return ""
+    return "Main thread (most recent call last):\n" + "".join(traceback.format_stack(frame)) + "\n"
 
 
 def stall_for_drill(seconds: float) -> None:
@@ -139,6 +150,7 @@ class Watchdog:
                    f"last completed: {last}); Python stacks in {self.path}; exiting with code {self.exit_code}")
         try:
             self.file.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
+            self.file.write(_main_thread_stack())
             self.file.flush()
             faulthandler.dump_traceback(file=self.file, all_threads=True)
             self.file.flush()
