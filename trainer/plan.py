@@ -673,13 +673,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    if args.json == "-":
-        print(json.dumps(result, indent=2))
-    else:
-        print(format_report(result))
-        if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    print_report(result, format_report, args.json)
     return 0
+
+
+def print_report(result: dict, formatter, json_path: str | None) -> None:
+    """The table on stdout (or the JSON itself with ``--json -``); ``--json FILE`` also writes the JSON."""
+    if json_path == "-":
+        print(json.dumps(result, indent=2))
+        return
+    print(formatter(result))
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import sys
 import time
 import warnings
-from pathlib import Path
 from typing import Any
 
 from trainer.config import ConfigError, load_config
@@ -375,12 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    if args.json == "-":
-        print(json.dumps(report, indent=2))
-    else:
-        print(format_report(report))
-        if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    from trainer.plan import print_report
+
+    print_report(report, format_report, args.json)
     return 0
 
 
