@@ -159,7 +159,7 @@ def _weight_files(folder: Path) -> dict[str, Path]:
         return {name: folder / fname for name, fname in weight_map.items()}
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(
+        raise ConfigError(
             f"no safetensors weights in {folder} (expected {SAFETENSORS_INDEX} or model.safetensors); "
             "PyTorch .bin checkpoints are not supported")
     from safetensors import safe_open
@@ -167,7 +167,7 @@ def _weight_files(folder: Path) -> dict[str, Path]:
     out = {}
     for f in files:
         with safe_open(str(f), framework="pt") as st:
-            for name in st:
+            for name in st.keys():
                 out[name] = f
     return out
 
@@ -183,7 +183,7 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
         raise ConfigError(f"{cfg_path}: cannot read it ({e})") from None
 
 
-class _HFReader:
+class HFReader:
     """Reads tensors by HF name from a folder's safetensors files, one file handle per file."""
 
     def __init__(self, folder: Path):
@@ -198,13 +198,17 @@ class _HFReader:
     def get(self, name: str) -> torch.Tensor:
         return self._handles[self.files[name]].get_tensor(name)
 
+    def shape(self, name: str) -> list[int]:
+        """The tensor's shape, read from the file's header (no data read)."""
+        return list(self._handles[self.files[name]].get_slice(name).get_shape())
+
 
 def load_hf_state_dict(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(native state dict, config.json) of an HF Llama folder."""
     folder = Path(path)
     cfg = read_hf_config(folder)
     args = hf_config_to_args(cfg, source=f"{folder}/config.json")
-    reader = _HFReader(folder)
+    reader = HFReader(folder)
     sd = hf_to_native_state_dict({name: reader.get(name) for name in reader.files}, args.n_heads, args.num_kv_heads)
     return sd, cfg
 
@@ -246,7 +250,7 @@ def load_hf_into(model: torch.nn.Module | Iterable[torch.nn.Module], path: str |
 
     folder = Path(path)
     hf_args = read_hf_args(folder)
-    reader = _HFReader(folder)
+    reader = HFReader(folder)
     n_heads, n_kv = hf_args.n_heads, hf_args.num_kv_heads
     tied_hf = hf_args.tie_word_embeddings
     parts = list(model) if isinstance(model, (list, tuple)) else [model]
