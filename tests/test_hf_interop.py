@@ -205,3 +205,27 @@ def test_unrepresentable_field_refused_in_one_line(tmp_path, capsys, field, valu
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and named in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_import_holds_one_tensor_at_a_time(runs, tmp_path, monkeypatch):
+    """DCP asks for each tensor as it writes it: when the importer reads a tensor from safetensors, at most
+    the one written just before is still alive, never the model."""
+    import weakref
+
+    from trainer.models.llama import hf_adapter
+    from torchtitan_ext.hf_import import import_hf
+
+    alive: list[weakref.ref] = []
+    most = []
+    get = hf_adapter.HFReader.get
+
+    def tracking_get(self, name):
+        most.append(sum(r() is not None for r in alive))
+        t = get(self, name)
+        alive.append(weakref.ref(t))
+        return t
+
+    monkeypatch.setattr(hf_adapter.HFReader, "get", tracking_get)
+    step = import_hf(runs["custom"]["hf"], tmp_path / "seed")
+    assert len(most) == 4 * 9 + 3 and max(most) <= 1, most
+    assert (step / "checkpoint.json").is_file()
