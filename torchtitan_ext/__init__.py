@@ -13,6 +13,8 @@ def register(registry) -> None:
     registry.add_rule("torchtitan_ext.stability.config:check_config")
     registry.add_callbacks("torchtitan_ext.stability:build_stability_callbacks")
     registry.add_command("export", "torchtitan_ext.hf", "export a checkpoint to a Hugging Face Llama folder (safetensors)")
+    registry.add_command("import", "torchtitan_ext.hf_import",
+                         "turn a Hugging Face Llama folder into a seed checkpoint and the [model] keys to train with")
     registry.add_command("eval", "torchtitan_ext.lm_eval_model", "score a checkpoint or exported folder with lm-eval")
     registry.add_command("generate", "torchtitan_ext.generate", "sample text from a checkpoint")
     registry.add_command("compare", "torchtitan_ext.compare",

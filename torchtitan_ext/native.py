@@ -122,11 +122,11 @@ def build_model(args, state_dict: dict[str, torch.Tensor], *, device="cpu", dtyp
 def load_hf_model(path: str | Path, dtype="fp32", device="cpu") -> LoadedModel:
     """An HF Llama folder as our (unsharded, eval-mode) model plus its tokenizer."""
     from tokenizer import build_tokenizer
-    from trainer.models.llama.hf_adapter import hf_config_to_args, load_hf_state_dict
+    from trainer.models.llama.hf_adapter import load_hf_state_dict, read_hf_args
 
     folder = Path(path)
-    sd, cfg = load_hf_state_dict(folder)
-    args = hf_config_to_args(cfg)
+    args = read_hf_args(folder)  # the one config.json reader (import, generate --hf, eval --hf)
+    sd, _ = load_hf_state_dict(folder)
     model = build_model(args, sd, device=device, dtype=parse_dtype(dtype), source=str(folder))
     tokenizer = build_tokenizer(folder)
     return LoadedModel(model=model, tokenizer=tokenizer, args=args, config=None, checkpoint=folder,

@@ -45,7 +45,8 @@ class Model:
     """Model family. Both use the same Llama architecture; the family picks the flavor table."""
     flavor: str = "debugmodel"
     """Model size, a key of the flavor table: debugmodel, llama2_7b, llama2_13b, llama2_70b, llama3_1b,
-    llama3_3b, llama3_8b, llama3_70b, llama3_405b."""
+    llama3_3b, llama3_8b, llama3_70b, llama3_405b; or custom: no base, the shape comes from model.dim,
+    n_layers and n_heads (required) and the keys below (what `trainer import` writes)."""
     hf_assets_path: str = ""
     """A Hugging Face assets folder, as torchtitan uses it: tokenizer.json with tokenizer_config.json (BOS,
     EOS and other special tokens it declares are honoured), optionally config.json and safetensors weights
@@ -58,6 +59,43 @@ class Model:
     vocab_size: int = -1
     """Embedding rows. -1: the flavor's published vocabulary, or for flavors without one (debugmodel) the
     tokenizer's vocabulary rounded up to a multiple of 64 (faster matmuls)."""
+    # Shape overrides (docs/export_eval.md, "Custom shapes"): -1 / unset keeps the flavor's value.
+    dim: int = -1
+    """Hidden size (Hugging Face hidden_size). -1: the flavor's. Must be a multiple of n_heads."""
+    n_layers: int = -1
+    """Transformer blocks (num_hidden_layers). -1: the flavor's."""
+    n_heads: int = -1
+    """Attention (query) heads (num_attention_heads). -1: the flavor's. dim / n_heads (the head size) must
+    be even; tensor_parallel_degree must divide it."""
+    n_kv_heads: int = -1
+    """Key/value heads (num_key_value_heads; fewer than n_heads: grouped-query attention). -1: the
+    flavor's, or n_heads when n_heads is set. Must divide n_heads; tensor_parallel_degree must divide it."""
+    ffn_dim: int = -1
+    """SwiGLU hidden size (intermediate_size), given outright. -1: from multiple_of and
+    ffn_dim_multiplier (Meta's rule: int(8 dim / 3), times the multiplier, rounded up to multiple_of)."""
+    multiple_of: int = -1
+    """SwiGLU hidden size rounding (Meta's rule, when ffn_dim is -1). -1: the flavor's."""
+    ffn_dim_multiplier: float | None = None
+    """SwiGLU hidden size multiplier (Meta's rule, when ffn_dim is -1). Unset: the flavor's."""
+    rope_theta: float | None = None
+    """RoPE base frequency. Unset: the flavor's."""
+    rope_scaling_factor: float | None = None
+    """Llama 3.1 RoPE scaling (Hugging Face rope_type "llama3"): the factor; 0 turns scaling off. Unset: the
+    flavor's scaling."""
+    rope_scaling_low_freq_factor: float | None = None
+    """Llama 3.1 RoPE scaling's low_freq_factor. Unset: the flavor's, else 1."""
+    rope_scaling_high_freq_factor: float | None = None
+    """Llama 3.1 RoPE scaling's high_freq_factor. Unset: the flavor's, else 4."""
+    rope_scaling_original_max_position_embeddings: int = -1
+    """Llama 3.1 RoPE scaling's original context length. -1: the flavor's, else 8192."""
+    norm_eps: float | None = None
+    """RMSNorm epsilon (rms_norm_eps). Unset: the flavor's."""
+    tie_word_embeddings: bool | None = None
+    """Output layer shares the embedding matrix. Unset: the flavor's. Trained tied on one process, under
+    FSDP and tensor parallel; refused with pipeline parallel (the two ends live on different stages)."""
+    max_seq_len: int = -1
+    """Context length the model is meant for (exported as max_position_embeddings). -1: the flavor's. The
+    RoPE table itself is built for training.seq_len."""
     converters: list[str] = field(default_factory=list)
     """Model transformations applied before parallelization, e.g. ["quantize.linear.float8"]."""
     print_after_conversion: bool = False

@@ -143,13 +143,11 @@ def _check_checkpoint(config) -> None:
 
 
 def model_args(config):
-    """The flavor's architecture (vocabulary not resolved), or a ConfigError naming the valid flavors."""
-    from trainer.models import get_model_args
+    """The flavor's architecture with the [model] shape keys applied (vocabulary not resolved), or a
+    ConfigError naming the key to fix."""
+    from trainer.models import config_model_args
 
-    try:
-        return get_model_args(config.model.name, config.model.flavor)
-    except ValueError as e:
-        raise ConfigError(f"model.flavor: {e}") from None
+    return config_model_args(config)
 
 
 def _check_model(config) -> None:
@@ -228,6 +226,11 @@ def _check_layout(config, world_size: int) -> None:
     if tp > 1 and args.ffn_hidden_dim % tp:
         raise ConfigError(f"parallelism.tensor_parallel_degree ({tp}) must divide the SwiGLU hidden size "
                           f"({args.ffn_hidden_dim})")
+    if pp > 1 and args.tie_word_embeddings:
+        raise ConfigError(f"model.tie_word_embeddings (flavor {config.model.flavor}) cannot be trained with "
+                          f"pipeline_parallel_degree {pp}: the embedding and the output layer live on different "
+                          "stages; set model.tie_word_embeddings = false (trains them untied) or drop pipeline "
+                          "parallel")
     if pp > 1:
         from trainer.parallel.pipeline import plan_stages
 

@@ -72,6 +72,13 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, config: 
     return model
 
 
+def _tied(model: nn.Module) -> bool:
+    """Whether ``model`` holds both ends of tied word embeddings (pipeline stages never do: refused)."""
+    args = getattr(model, "args", None)
+    return bool(getattr(args, "tie_word_embeddings", False)) and getattr(model, "tok_embeddings", None) is not None \
+        and getattr(model, "output", None) is not None
+
+
 # --------------------------------------------------------------------------------------------------
 # Tensor parallel
 # --------------------------------------------------------------------------------------------------
@@ -105,6 +112,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, floa
         )
     if top:
         parallelize_module(model, tp_mesh, top)
+    if _tied(model):
+        # Each module got its own sharded copy; both are Shard(0) over the vocabulary (row-wise embedding,
+        # column-wise output), so the output layer takes the embedding's DTensor and the tie holds.
+        model.output.weight = model.tok_embeddings.weight
 
     for block in model.layers.values():
         plan = {
@@ -219,7 +230,7 @@ def apply_compile(model: nn.Module, backend: str) -> None:
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
                reshard_after_forward: str, cpu_offload: bool, pp_enabled: bool) -> None:
     """Shard the embeddings, each block, the output layer, then the root (the final norm), each a group of
-    its own: the first all-gather (embeddings) is small and overlaps with nothing, the next ones
+    its own (tied embeddings: the shared matrix stays in the root's group, with the final norm): the first all-gather (embeddings) is small and overlaps with nothing, the next ones
     overlap with the compute before them, and the output layer's gradient is reduce-scattered while the
     last block's backward runs instead of after everything. A 2-D ``dp_mesh`` (replicate, shard) gives
     HSDP: reduce-scatter inside a replica group, all-reduce across replicas."""
@@ -233,14 +244,15 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: torch.dtyp
         reshard = not pp_enabled
     else:
         reshard = reshard_after_forward == "always"
-    if model.tok_embeddings is not None:
+    tied = _tied(model)  # one matrix used first and last: it must be in one group, the root's
+    if model.tok_embeddings is not None and not tied:
         fully_shard(model.tok_embeddings, reshard_after_forward=reshard, **kwargs)
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         # The last block's backward starts right after the forward ends: keep its parameters gathered.
         last = i == len(blocks) - 1 and reshard_after_forward == "default"
         fully_shard(block, reshard_after_forward=reshard and not last, **kwargs)
-    if model.output is not None:
+    if model.output is not None and not tied:
         # Used first in backward, right after forward: resharding it would only gather it again. (The final
         # norm, a vector, stays with the root.)
         fully_shard(model.output, reshard_after_forward=reshard_after_forward == "always", **kwargs)

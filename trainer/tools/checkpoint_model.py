@@ -22,7 +22,11 @@ from trainer.parallel import clean_fqn
 # The keys of a run's config.toml the tools need. Only these are read, so that a config.toml written by an
 # older or newer version of the trainer (keys added or renamed since) still loads.
 RUN_CONFIG_KEYS = ("model.name", "model.flavor", "model.tokenizer_path", "model.vocab_size", "training.seq_len",
-                   "checkpoint.folder")
+                   "checkpoint.folder", "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
+                   "model.ffn_dim", "model.multiple_of", "model.ffn_dim_multiplier", "model.rope_theta",
+                   "model.rope_scaling_factor", "model.rope_scaling_low_freq_factor",
+                   "model.rope_scaling_high_freq_factor", "model.rope_scaling_original_max_position_embeddings",
+                   "model.norm_eps", "model.tie_word_embeddings", "model.max_seq_len")
 
 
 def save_native_checkpoint(state_dict: dict[str, torch.Tensor], dump_folder: str | Path, step: int,
@@ -118,7 +122,7 @@ def describe_checkpoint(
     defaults to the bundled debug tokenizer, as in training). The vocabulary size is the checkpoint's.
     """
     from tokenizer import DEBUG_TOKENIZER_PATH, build_tokenizer
-    from trainer.models import get_model_args
+    from trainer.models import config_model_args
 
     step_dir = find_checkpoint(checkpoint, step=step)
     cfg_path = Path(config_path) if config_path else find_run_config(step_dir)
@@ -144,10 +148,7 @@ def describe_checkpoint(
         raise ValueError(
             f"checkpoint vocabulary ({vocab} rows) is smaller than the tokenizer's ({tokenizer.vocab_size}) "
             f"from {tok_path}: wrong tokenizer?")
-    try:
-        base = get_model_args(config.model.name, config.model.flavor)
-    except ValueError as e:
-        raise ValueError(f"model flavor: {e}") from None
+    base = config_model_args(config)  # the flavor with the run's [model] shape keys (ConfigError is a ValueError)
     context = max(base.max_seq_len, config.training.seq_len)
     args = dataclasses.replace(base, vocab_size=vocab, max_seq_len=context)
     return CheckpointDescription(step_dir=step_dir, config=config, config_path=cfg_path, tokenizer=tokenizer,

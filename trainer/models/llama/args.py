@@ -44,6 +44,8 @@ class LlamaModelArgs:
     # SwiGLU hidden size is rounded up to a multiple of this.
     multiple_of: int = 256
     ffn_dim_multiplier: float | None = None
+    # SwiGLU hidden size given outright (e.g. a Hugging Face intermediate_size); wins over the rule above.
+    ffn_dim: int | None = None
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
@@ -67,6 +69,8 @@ class LlamaModelArgs:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({kv})")
         if self.multiple_of <= 0:
             raise ValueError(f"multiple_of must be positive, got {self.multiple_of}")
+        if self.ffn_dim is not None and self.ffn_dim <= 0:
+            raise ValueError(f"ffn_dim must be positive, got {self.ffn_dim}")
         if self.max_seq_len <= 0:
             raise ValueError(f"max_seq_len must be positive, got {self.max_seq_len}")
         if self.vocab_size == 0 or self.vocab_size < -1:
@@ -83,11 +87,13 @@ class LlamaModelArgs:
 
     @property
     def ffn_hidden_dim(self) -> int:
-        """SwiGLU hidden size, following Meta's reference implementation.
+        """SwiGLU hidden size: ``ffn_dim`` when set, else Meta's reference rule:
 
         ``hidden = int(2 * (4 * dim) / 3)``, then ``int(ffn_dim_multiplier * hidden)`` if a
         multiplier is set, then rounded up to a multiple of ``multiple_of``.
         """
+        if self.ffn_dim is not None:
+            return self.ffn_dim
         hidden = int(2 * (4 * self.dim) / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)

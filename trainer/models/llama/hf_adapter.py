@@ -28,7 +28,6 @@ unchanged). This is the permutation of HF's ``convert_llama_weights_to_hf.py``.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import re
@@ -38,8 +37,8 @@ from typing import Any
 
 import torch
 
+from trainer.errors import ConfigError
 from trainer.models.llama.args import LlamaModelArgs, RopeScaling
-from trainer.models.llama.flavors import LLAMA_FLAVORS
 from trainer.parallel import clean_fqn
 
 logger = logging.getLogger("trainer")
@@ -160,7 +159,7 @@ def _weight_files(folder: Path) -> dict[str, Path]:
         return {name: folder / fname for name, fname in weight_map.items()}
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(
+        raise ConfigError(
             f"no safetensors weights in {folder} (expected {SAFETENSORS_INDEX} or model.safetensors); "
             "PyTorch .bin checkpoints are not supported")
     from safetensors import safe_open
@@ -168,20 +167,23 @@ def _weight_files(folder: Path) -> dict[str, Path]:
     out = {}
     for f in files:
         with safe_open(str(f), framework="pt") as st:
-            for name in st:
+            for name in st.keys():
                 out[name] = f
     return out
 
 
 def read_hf_config(folder: Path) -> dict[str, Any]:
     """The ``config.json`` of an HF model folder."""
-    cfg_path = folder / "config.json"
+    cfg_path = Path(folder) / "config.json"
     if not cfg_path.is_file():
-        raise FileNotFoundError(f"{folder} is not a Hugging Face model folder: no config.json")
-    return json.loads(cfg_path.read_text())
+        raise ConfigError(f"{folder} is not a Hugging Face model folder: no config.json")
+    try:
+        return json.loads(cfg_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{cfg_path}: cannot read it ({e})") from None
 
 
-class _HFReader:
+class HFReader:
     """Reads tensors by HF name from a folder's safetensors files, one file handle per file."""
 
     def __init__(self, folder: Path):
@@ -196,32 +198,40 @@ class _HFReader:
     def get(self, name: str) -> torch.Tensor:
         return self._handles[self.files[name]].get_tensor(name)
 
+    def shape(self, name: str) -> list[int]:
+        """The tensor's shape, read from the file's header (no data read)."""
+        return list(self._handles[self.files[name]].get_slice(name).get_shape())
+
 
 def load_hf_state_dict(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(native state dict, config.json) of an HF Llama folder."""
     folder = Path(path)
     cfg = read_hf_config(folder)
-    reader = _HFReader(folder)
-    n_heads = cfg["num_attention_heads"]
-    n_kv = cfg.get("num_key_value_heads") or n_heads
-    sd = hf_to_native_state_dict({name: reader.get(name) for name in reader.files}, n_heads, n_kv)
+    args = hf_config_to_args(cfg, source=f"{folder}/config.json")
+    reader = HFReader(folder)
+    sd = hf_to_native_state_dict({name: reader.get(name) for name in reader.files}, args.n_heads, args.num_kv_heads)
     return sd, cfg
 
 
-def _check_architecture(cfg: dict[str, Any], args, folder: Path) -> None:
-    """Refuse an HF config whose shapes differ from the model's ``args`` (None: not known, not checked)."""
+def architecture_mismatches(hf_args: LlamaModelArgs, args) -> list[str]:
+    """The fields in which a model's ``args`` differs from a Hugging Face folder's (``hf_args``), as
+    ``"config.json name: folder's value != model's value"``; the RoPE table length is not compared."""
+    pairs = (("hidden_size", "dim"), ("num_hidden_layers", "n_layers"), ("num_attention_heads", "n_heads"),
+             ("num_key_value_heads", "num_kv_heads"), ("intermediate_size", "ffn_hidden_dim"),
+             ("vocab_size", "vocab_size"), ("rope_theta", "rope_theta"), ("rope_scaling", "rope_scaling"),
+             ("rms_norm_eps", "norm_eps"), ("tie_word_embeddings", "tie_word_embeddings"))
+    return [f"{hf_name} {getattr(hf_args, ours)} != {getattr(args, ours)}" for hf_name, ours in pairs
+            if getattr(hf_args, ours) != getattr(args, ours)]
+
+
+def _check_architecture(hf_args: LlamaModelArgs, args, folder: Path) -> None:
+    """Refuse a folder whose architecture differs from the model's ``args`` (None: not known, not checked)."""
     if args is None:
         return
-    n_heads = cfg["num_attention_heads"]
-    mismatches = [
-        f"{key} {cfg.get(key)} != {ours}" for key, ours in (
-            ("hidden_size", args.dim), ("num_hidden_layers", args.n_layers),
-            ("num_attention_heads", args.n_heads), ("num_key_value_heads", args.num_kv_heads),
-            ("intermediate_size", args.ffn_hidden_dim))
-        if cfg.get(key, n_heads if key == "num_key_value_heads" else None) != ours]
+    mismatches = architecture_mismatches(hf_args, args)
     if mismatches:
-        raise ValueError(f"{folder}/config.json does not match the model being trained: "
-                         + "; ".join(mismatches) + " (choose the matching model.flavor)")
+        raise ConfigError(f"{folder}/config.json does not match the model being trained: " + "; ".join(mismatches)
+                          + f" (run `trainer import --hf {folder}` and train with the [model] keys it prints)")
 
 
 @torch.no_grad()
@@ -239,15 +249,14 @@ def load_hf_into(model: torch.nn.Module | Iterable[torch.nn.Module], path: str |
     from trainer.parallel.init import _local_slice
 
     folder = Path(path)
-    cfg = read_hf_config(folder)
-    reader = _HFReader(folder)
-    n_heads = cfg["num_attention_heads"]
-    n_kv = cfg.get("num_key_value_heads") or n_heads
-    tied_hf = bool(cfg.get("tie_word_embeddings", False))
+    hf_args = read_hf_args(folder)
+    reader = HFReader(folder)
+    n_heads, n_kv = hf_args.n_heads, hf_args.num_kv_heads
+    tied_hf = hf_args.tie_word_embeddings
     parts = list(model) if isinstance(model, (list, tuple)) else [model]
 
     for part in parts:
-        _check_architecture(cfg, getattr(part, "args", None), folder)
+        _check_architecture(hf_args, getattr(part, "args", None), folder)
 
     loaded = []
     seen: set[int] = set()
@@ -281,49 +290,69 @@ def load_hf_into(model: torch.nn.Module | Iterable[torch.nn.Module], path: str |
     return loaded
 
 
-def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, dict | None]:
-    """(rope_theta, scaling dict) from either the legacy keys or transformers 5's ``rope_parameters``."""
+# config.json fields this model cannot represent when set to anything but the value given (None: absent
+# or null is fine too); a folder setting one is refused rather than imported as a different model.
+_MUST_BE = {
+    "attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "attention_dropout": 0.0,
+    "pretraining_tp": 1, "sliding_window": None,
+}
+
+
+def _rope_from_hf(cfg: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, Llama 3.1 scaling or None) from the legacy keys or transformers 5's ``rope_parameters``."""
     params = cfg.get("rope_parameters") or {}
     theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
     scaling = cfg.get("rope_scaling") or (params if params.get("rope_type") not in (None, "default") else None)
-    if scaling:
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind in (None, "default"):
-            scaling = None
-        elif kind != "llama3":
-            raise ValueError(f"unsupported rope scaling type {kind!r} (only 'llama3' is implemented)")
-    return float(theta), scaling
-
-
-def hf_config_to_args(cfg: dict[str, Any]):
-    """``LlamaModelArgs`` for an HF Llama ``config.json`` (a named flavor's args when one matches)."""
-    if cfg.get("model_type", "llama") != "llama":
-        raise ValueError(f"expected a Llama config (model_type 'llama'), got {cfg.get('model_type')!r}")
-    for flag in ("attention_bias", "mlp_bias"):
-        if cfg.get(flag):
-            raise ValueError(f"{flag}=true is not supported by this model")
-    dim, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    if cfg.get("head_dim") not in (None, dim // n_heads):
-        raise ValueError(f"head_dim {cfg['head_dim']} != hidden_size / num_attention_heads is not supported")
-    theta, scaling = _rope_from_hf(cfg)
-    rope_scaling = None
-    if scaling:
-        rope_scaling = RopeScaling(
+    if not scaling:
+        return float(theta), None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return float(theta), None
+    if kind != "llama3":
+        raise ConfigError(f"{source}: rope_scaling type {kind!r} is not supported (only 'llama3' and plain RoPE)")
+    try:
+        return float(theta), RopeScaling(
             factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
             high_freq_factor=float(scaling["high_freq_factor"]),
             original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
-    common = dict(
-        dim=dim, n_layers=cfg["num_hidden_layers"], n_heads=n_heads,
-        n_kv_heads=cfg.get("num_key_value_heads") or n_heads, vocab_size=cfg["vocab_size"],
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-5)), rope_theta=theta, rope_scaling=rope_scaling,
-        max_seq_len=int(cfg.get("max_position_embeddings", 4096)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-    )
-    intermediate = cfg["intermediate_size"]
-    for flavor in LLAMA_FLAVORS.values():  # reuse a flavor's FFN sizing rule when it gives the same size
-        candidate = dataclasses.replace(flavor, **common)
-        if candidate.ffn_hidden_dim == intermediate:
-            return candidate
-    # Any intermediate size: the multiplier brings the hidden size to <= intermediate, multiple_of rounds up.
-    base_hidden = int(2 * (4 * dim) / 3)
-    return LlamaModelArgs(**common, multiple_of=intermediate, ffn_dim_multiplier=intermediate / base_hidden)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{source}: rope_scaling {scaling} is not a valid llama3 scaling ({e})") from None
+
+
+def hf_config_to_args(cfg: dict[str, Any], source: str = "config.json") -> LlamaModelArgs:
+    """The one reader of a Hugging Face Llama ``config.json``: every architectural field becomes our
+    ``LlamaModelArgs`` (no flavor involved). A field this model cannot represent raises ``ConfigError``
+    naming it, in one line, so that nothing is imported as a different model than the folder holds."""
+    if cfg.get("model_type", "llama") != "llama":
+        raise ConfigError(f"{source}: model_type {cfg.get('model_type')!r} is not supported (only 'llama')")
+    for key, ok in _MUST_BE.items():
+        value = cfg.get(key)
+        if value is not None and value != ok:
+            raise ConfigError(f"{source}: {key}={json.dumps(value)} is not supported by this model "
+                              f"(only {json.dumps(ok)})")
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                           "vocab_size") if not isinstance(cfg.get(k), int)]
+    if missing:
+        raise ConfigError(f"{source}: missing or non-integer {', '.join(missing)}")
+    dim, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    if dim % n_heads or cfg.get("head_dim") not in (None, dim // n_heads):
+        raise ConfigError(f"{source}: head_dim={cfg.get('head_dim')} with hidden_size={dim} and "
+                          f"num_attention_heads={n_heads} is not supported (head_dim must be hidden_size / heads)")
+    theta, rope_scaling = _rope_from_hf(cfg, source)
+    try:
+        return LlamaModelArgs(
+            dim=dim, n_layers=cfg["num_hidden_layers"], n_heads=n_heads,
+            n_kv_heads=cfg.get("num_key_value_heads") or n_heads, vocab_size=cfg["vocab_size"],
+            ffn_dim=cfg["intermediate_size"], norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta, rope_scaling=rope_scaling,
+            max_seq_len=int(cfg.get("max_position_embeddings") or 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def read_hf_args(folder: str | Path) -> LlamaModelArgs:
+    """The architecture of a Hugging Face Llama folder, from its config.json (see :func:`hf_config_to_args`)."""
+    folder = Path(folder)
+    return hf_config_to_args(read_hf_config(folder), source=f"{folder}/config.json")
