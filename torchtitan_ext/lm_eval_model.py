@@ -50,19 +50,15 @@ except ImportError:  # pragma: no cover - exercised only without the eval extra
 INSTALL_HINT = "trainer eval needs lm-eval: pip install 'lm-eval[hf]>=0.4.5' (or the project's [eval] extra)"
 
 
-def _tokenizer_adds_bos(tok) -> bool:
-    """Whether the HF tokenizer exported for ``tok`` prepends BOS by default (what lm-eval's HF backend does)."""
-    name = type(tok).__name__
-    if name in ("SentencePieceTokenizer", "TiktokenTokenizer"):
-        return tok.bos_id is not None  # exported as LlamaTokenizer / Llama 3 tokenizer.json: both add BOS
-    impl = getattr(tok, "_tok", None)
-    if impl is None or tok.bos_id is None:
-        return False
+def _adds_bos(tok, config=None) -> bool:
+    """Whether requests start with BOS: the run's BOS/EOS rule (tokenizer/_policy.py), which is also what the
+    exported tokenizer does, so a checkpoint and its export are scored alike."""
+    from tokenizer._policy import choose_separator, run_separator
+
     try:
-        ids = impl.encode("a", add_special_tokens=True).ids
-    except Exception:
+        return (run_separator(config, tok) if config is not None else choose_separator(tok, "auto")).add_bos
+    except ValueError:
         return False
-    return bool(ids) and ids[0] == tok.bos_id
 
 
 @register_model("trainer")
@@ -74,7 +70,7 @@ class NativeLM(TemplateLM):
     model being trained; it must be unsharded or replicated on this process).
     """
 
-    def __init__(self, checkpoint: str | None = None, *, model=None, tokenizer=None, config: str | None = None,
+    def __init__(self, checkpoint: str | None = None, *, model=None, tokenizer=None, config=None,
                  flavor: str | None = None, tokenizer_path: str | None = None, step: int | None = None,
                  dtype: str = "fp32", device: str = "cpu", batch_size: int | str = 8,
                  max_length: int | None = None, max_gen_toks: int = 256, add_bos_token: bool | None = None,
@@ -88,6 +84,7 @@ class NativeLM(TemplateLM):
             loaded = load_native(checkpoint, config_path=config, flavor=flavor, tokenizer_path=tokenizer_path,
                                  step=int(step) if step is not None else None, dtype=dtype, device=device)
             model, tokenizer, context_length = loaded.model, loaded.tokenizer, loaded.context_length
+            config = loaded.config
         elif tokenizer is None:
             raise ValueError("NativeLM(model=...) also needs tokenizer=")
         self.model = model
@@ -101,7 +98,7 @@ class NativeLM(TemplateLM):
         self.max_gen_toks = int(max_gen_toks)
         if isinstance(add_bos_token, str):
             add_bos_token = add_bos_token.lower() in ("1", "true", "yes")
-        self.add_bos_token = _tokenizer_adds_bos(tokenizer) if add_bos_token is None else bool(add_bos_token)
+        self.add_bos_token = _adds_bos(tokenizer, config) if add_bos_token is None else bool(add_bos_token)
         self.tokenizer = None  # lm-eval reads HF tokenizer attributes from .tokenizer; ours is .tok
 
     # --- lm-eval plumbing ---------------------------------------------------------------------------
