@@ -232,6 +232,18 @@ def _run(lm, model: str, model_args: dict, args, tasks: list[str]):
     return results, tracker
 
 
+def _tokenizer_info(lm) -> dict[str, Any]:
+    """The tokenizer fields lm-eval records for its HF backend, for the native model."""
+    from tokenizer._policy import token_string
+
+    tok = getattr(lm, "tok", None)
+    if tok is None:
+        return {}
+    info = {f"tokenizer_{name}_token": [token_string(tok, tid), str(tid)]
+            for name, tid in (("pad", tok.pad_id), ("eos", tok.eos_id), ("bos", tok.bos_id))}
+    return {**info, "eot_token_id": lm.eot_token_id, "max_length": lm.max_length}
+
+
 def _save(results: dict, tracker, model: str, model_args: dict, args) -> None:
     """Write the results as lm-eval does (a .json --output_path: exactly that file, samples inside)."""
     from lm_eval.utils import handle_non_serializable, sanitize_model_name
@@ -305,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if results is None:  # non-zero ranks under lm-eval's own distribution
         return 0
+    for key, value in _tokenizer_info(lm).items():
+        results.setdefault(key, value)
     _save(results, tracker, model, model_args, args)
     _report(results, model, model_args, args, time.perf_counter() - t0)
     return 0

@@ -119,6 +119,13 @@ class NativeLM(TemplateLM):
     def device(self):
         return self._device
 
+    def get_model_info(self) -> dict:
+        """The fields lm-eval's HF backend records in results["config"]."""
+        params = sum(p.numel() for p in self.model.parameters())
+        dtype = next(self.model.parameters()).dtype
+        return {"model_num_parameters": int(params), "model_dtype": str(dtype), "model_revision": "",
+                "model_sha": ""}
+
     @property
     def tokenizer_name(self) -> str:
         return str(getattr(self.tok, "path", type(self.tok).__name__)).replace("/", "__")
