@@ -180,7 +180,8 @@ def test_eval_cli_refusals(capsys, tmp_path):
     for extra, words in ((["--wandb_args", "project=x"], "--wandb_args"),
                          (["--apply_chat_template"], "chat template"),
                          (["--config", "run.yaml"], "YAML"),
-                         (["--hf_hub_log_args", "hub_results_org=x"], "Hub")):
+                         (["--hf_hub_log_args", "hub_results_org=x"], "Hub"),
+                         (["--model", "vllm"], "other backends")):
         assert eval_main([*base, *extra]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and words in err, err

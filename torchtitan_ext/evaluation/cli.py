@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:  # long: one add_argument per lm-
     a("--config", "-C", default=None, help="the run's config.toml (default: found above the checkpoint); "
       "lm_eval's YAML configs are refused")
     a("--tasks", "-t", nargs="+", default=None, help="task or group names, space or comma separated")
-    a("--model", "-M", default=None, choices=MODELS, help="trainer (a native checkpoint) or hf (default: hf "
+    a("--model", "-M", default=None, help="trainer (a native checkpoint) or hf (default: hf "
       "when the model arguments name 'pretrained', else trainer)")
     a("--model_args", "-a", nargs="+", default=[], help="model arguments as key=val,key2=val2 or JSON")
     a("--apply_chat_template", nargs="?", const=True, default=False, help="(hf only) apply the chat template")
@@ -146,6 +146,9 @@ def _model_and_args(args) -> tuple[str, dict[str, Any]]:
     if args.hf:
         model_args["pretrained"] = args.hf
     model = args.model or ("hf" if "pretrained" in model_args else "trainer")
+    if model not in MODELS:
+        raise Refused(f"--model {model}: trainer eval runs 'trainer' (native checkpoints) and 'hf'; run lm_eval "
+                      "itself for other backends")
     if model == "trainer":
         if "checkpoint" not in model_args:
             raise ValueError("name the checkpoint: --checkpoint DIR or --model_args checkpoint=DIR")
