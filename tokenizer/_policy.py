@@ -195,16 +195,26 @@ def align_exported_tokenizer(folder: str | Path, tokenizer, separator: Separator
     return changed
 
 
-def run_separator(config, tokenizer) -> Separator:
-    """The separator a run's config trains with (``data.separator``; auto: the tokenizer's)."""
-    return choose_separator(tokenizer, config.data.separator)
+def run_separator(config, tokenizer, *, trained: bool = False) -> Separator:
+    """The separator a run's config trains with (``data.separator``; auto: the tokenizer's). ``trained``: the
+    config of a finished run (export, evaluation), whose config.toml may say bos for a tokenizer without BOS
+    (runs before ``auto`` existed trained with EOS then)."""
+    try:
+        return choose_separator(tokenizer, config.data.separator)
+    except ValueError:
+        if not trained:
+            raise
+        sep = choose_separator(tokenizer, "auto")
+        logger.info("data.separator = %s, but the tokenizer has no such token: the run trained with %s",
+                    config.data.separator, sep.name)
+        return sep
 
 
 def align_export(folder: str | Path, config, tokenizer) -> bool:
     """The export's hook: align the tokenizer files written to ``folder`` with the run's training rule."""
     if tokenizer is None or config is None:
         return False
-    return align_exported_tokenizer(folder, tokenizer, run_separator(config, tokenizer))
+    return align_exported_tokenizer(folder, tokenizer, run_separator(config, tokenizer, trained=True))
 
 
 def special_strings(tokenizer) -> list[str]:

@@ -55,7 +55,7 @@ def _adds_bos(tok, config=None) -> bool:
 
     if config is None or isinstance(config, (str, Path)):
         return tokenizer_rule(tok).adds_bos and tok.bos_id is not None
-    return run_separator(config, tok).add_bos
+    return run_separator(config, tok, trained=True).add_bos
 
 
 @register_model("trainer")
