@@ -158,6 +158,20 @@ def test_training_and_export_follow_one_bos_eos_rule(exported):
         assert hf_tok.encode(TEXT) == plain and hf_tok.eos_token_id == 0
 
 
+def test_export_of_an_eos_separated_run_adds_nothing(runs, tmp_path):
+    """data.separator = eos with a tokenizer that adds <s> ... </s>: the exported files add nothing."""
+    import shutil
+
+    from tokenizer._policy import align_exported_tokenizer, choose_separator
+
+    tok = runs["llama"]["tok"]
+    folder = shutil.copytree(Path(runs["llama"]["config"].model.tokenizer_path), tmp_path / "export")
+    assert align_exported_tokenizer(folder, tok, choose_separator(tok, "eos"))
+    rule = files_rule(folder)
+    assert (rule.adds_bos, rule.adds_eos) == (False, False)
+    assert transformers.AutoTokenizer.from_pretrained(str(folder)).encode(TEXT) == tok.encode(TEXT)
+
+
 def test_lm_eval_cli_on_export_equals_trainer_eval_on_checkpoint(exported):
     theirs, their_files, their_json = lm_eval_outputs(exported["tmp"] / "lm_eval")
     ours, our_files, our_json = lm_eval_outputs(exported["tmp"] / "trainer")

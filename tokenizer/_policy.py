@@ -26,7 +26,7 @@ from pathlib import Path
 
 logger = logging.getLogger("trainer")
 
-_PROBE = "a"
+_PROBE = "The end."
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,8 @@ def files_rule(folder: str | Path) -> TokenizerRule | None:
         tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
         plain = tok.encode(_PROBE, add_special_tokens=False).ids
         full = tok.encode(_PROBE, add_special_tokens=True).ids
-        start = full.index(plain[0]) if plain and plain[0] in full else 0
+        # Where the text's own tokens sit inside the post-processed ones: before them BOS, after them EOS.
+        start = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), 0)
         return TokenizerRule(start > 0, len(full) - start > len(plain), "tokenizer.json post-processor")
     if cfg:
         return TokenizerRule(False, False, "tokenizer_config.json (no add_bos_token)")
