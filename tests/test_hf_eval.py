@@ -232,12 +232,16 @@ def test_eval_config_rules():
 
 def test_in_training_eval_under_fsdp_equals_trainer_eval_on_the_checkpoint(tmp_path):
     dump = tmp_path / "run"
-    proc = run_train(dump, "--training.steps", "10", "--training.local_batch_size", "2", "--metrics.log_freq", "5",
-                     "--parallelism.data_parallel_shard_degree", "2", "--eval.freq", "5", "--eval.tasks", TASKS,
-                     "--eval.include_path", str(TASKS_DIR), "--eval.limit", "6", "--checkpoint.enable",
-                     "--checkpoint.interval", "5", "--metrics.enable_tensorboard", "true", nproc=2)
+    common = ["--training.steps", "10", "--training.local_batch_size", "2", "--metrics.log_freq", "5",
+              "--parallelism.data_parallel_shard_degree", "2"]
+    proc = run_train(dump, *common, "--eval.freq", "5", "--eval.tasks", TASKS, "--eval.include_path",
+                     str(TASKS_DIR), "--eval.limit", "6", "--checkpoint.enable", "--checkpoint.interval", "5",
+                     "--metrics.enable_tensorboard", "true", nproc=2)
     records = {r["step"]: r for r in read_metrics(dump)}
     assert set(records) == {5, 10}
+    # The evaluation leaves the training as it was: the same losses as without it.
+    run_train(tmp_path / "plain", *common, nproc=2)
+    assert {r["step"]: r["loss"] for r in read_metrics(tmp_path / "plain")} == {s: r["loss"] for s, r in records.items()}
     for step in (5, 10):
         assert records[step]["eval_time_s"] > 0
     live = {k: v for k, v in records[5].items() if k.startswith("eval/")}
