@@ -145,6 +145,9 @@ def _model_and_args(args) -> tuple[str, dict[str, Any]]:
         model_args["checkpoint"] = args.checkpoint
     if args.hf:
         model_args["pretrained"] = args.hf
+    if "checkpoint" in model_args and "pretrained" in model_args:
+        raise ValueError("give a checkpoint (--checkpoint, checkpoint=) or a Hugging Face folder (--hf, "
+                         "pretrained=), not both")
     model = args.model or ("hf" if "pretrained" in model_args else "trainer")
     if model not in MODELS:
         raise Refused(f"--model {model}: trainer eval runs 'trainer' (native checkpoints) and 'hf'; run lm_eval "
