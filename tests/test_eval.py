@@ -81,11 +81,12 @@ def test_native_lm_scores_match_direct_computation(run):
     assert get_model("trainer") is NativeLM  # lm_eval.simple_evaluate(model="trainer", model_args=...)
     lm = get_model("trainer").create_from_arg_string(f"checkpoint={run['dump']},batch_size=3",
                                                      {"batch_size": None, "device": None})
-    assert lm.batch_size == 3 and lm.max_length == 2048 and lm.add_bos_token is False
+    # Requests start with BOS, as every training document did (data.separator auto: bos).
+    assert lm.batch_size == 3 and lm.max_length == 2048 and lm.add_bos_token is True
     tok, model = run["tok"], run["model"]
     context, continuation = "To be, or not to be:", " that is the question"
     [(logprob, greedy)] = lm.loglikelihood([_Req(context, continuation)], disable_tqdm=True)
-    ctx, whole = tok.encode(context), tok.encode(context + continuation)
+    ctx, whole = tok.encode(context, bos=True), tok.encode(context + continuation, bos=True)
     with torch.no_grad():
         lp = torch.log_softmax(model(torch.tensor([whole[:-1]])).float(), -1)[0]
     expected = sum(lp[i - 1, whole[i]].item() for i in range(len(ctx), len(whole)))
@@ -93,7 +94,7 @@ def test_native_lm_scores_match_direct_computation(run):
     # Rolling loglikelihood of a short text = sum of all token log-probs after the prefix (BOS) token.
     text = "Shall I compare thee to a summer's day?"
     [rolling] = lm.loglikelihood_rolling([_Req(text)], disable_tqdm=True)
-    ids = [tok.bos_id] + tok.encode(text)
+    ids = [tok.bos_id] + tok.encode(text, bos=True)
     with torch.no_grad():
         lp = torch.log_softmax(model(torch.tensor([ids[:-1]])).float(), -1)[0]
     assert abs(rolling - sum(lp[i - 1, ids[i]].item() for i in range(1, len(ids)))) < 1e-3

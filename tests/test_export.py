@@ -92,10 +92,10 @@ def test_export_debug_checkpoint_matches_transformers_logits(tmp_path):
     with torch.no_grad():
         ours = model(tokens)
     assert (hf_logits(out, tokens) - ours).abs().max().item() <= 1e-4
-    # The exported tokenizer encodes like ours.
+    # The exported tokenizer encodes like ours, with the BOS training put before every document.
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(out))
     text = "First Citizen: Before we proceed any further, hear me speak."
-    assert hf_tok.encode(text) == tok.encode(text)
+    assert hf_tok.encode(text) == tok.encode(text, bos=True)
 
 
 @pytest.mark.parametrize("tied", [False, True])

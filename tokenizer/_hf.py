@@ -11,7 +11,7 @@ from tokenizer._common import add_specials
 
 # Names tried, in order, when tokenizer_config.json does not name the special tokens.
 BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>")
-EOS_CANDIDATES = ("<|end_of_text|>", "</s>", "<eos>")
+EOS_CANDIDATES = ("<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>")  # the last: GPT-2's end-of-text
 PAD_CANDIDATES = ("<|pad|>", "<pad>", "<|finetune_right_pad_id|>")
 
 

@@ -12,6 +12,11 @@ def register(registry) -> None:
                          "Skipping steps, spike and NaN guards, embedding-gradient shrink (see docs/stability.md).")
     registry.add_rule("torchtitan_ext.stability.config:check_config")
     registry.add_callbacks("torchtitan_ext.stability:build_stability_callbacks")
+    from torchtitan_ext.evaluation.config import Eval
+
+    registry.add_section("eval", Eval, "lm-eval tasks scored on the model during training (see docs/export_eval.md).")
+    registry.add_rule("torchtitan_ext.evaluation.config:check_config")
+    registry.add_callbacks("torchtitan_ext.evaluation.callback:build_eval_callbacks")
     registry.add_command("export", "torchtitan_ext.hf", "export a checkpoint to a Hugging Face Llama folder (safetensors)")
     registry.add_command("import", "torchtitan_ext.hf_import",
                          "turn a Hugging Face Llama folder into a seed checkpoint and the [model] keys to train with")

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from tokenizer._policy import align_export
 from torchtitan_ext.native import load_hf_model, parse_dtype
 from trainer.checkpoint import CheckpointNotFound, checkpoint_model_entries
 from trainer.tools.checkpoint_model import describe_checkpoint
@@ -290,6 +291,7 @@ def export_checkpoint(
     _export_streaming(info, out, parse_dtype(dtype), parse_size(max_shard_size))
     context = max_position_embeddings or info.context_length
     _write_metadata_files(info.args, out, parse_dtype(dtype), context, info.tokenizer, info.tokenizer_path)
+    align_export(out, info.config, info.tokenizer)  # the tokenizer files follow training's BOS/EOS rule
     logger.info("exported %s (%s) as %s to %s", info.step_dir, info.config.model.flavor,
                 str(parse_dtype(dtype)).replace("torch.", ""), out)
     return out

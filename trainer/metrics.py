@@ -155,6 +155,9 @@ def console_line(record: dict[str, Any], color: bool) -> str:
              f"{c['g']}loss {record['loss']:.4f}{c['0']}"]
     if record.get("validation_loss") is not None:
         parts.append(f"{c['g']}val {record['validation_loss']:.4f}{c['0']}")
+    scores = [f"{k[len('eval/'):]} {v:.4f}" for k, v in record.items() if k.startswith("eval/") and v is not None]
+    if scores:  # lm-eval scores of an [eval] step, and the time they took
+        parts.append(f"{c['g']}eval {' '.join(scores)} ({record.get('eval_time_s', 0):.1f}s){c['0']}")
     parts += [
         f"grad_norm {record['grad_norm']:.3f}",
         f"lr {record['lr']:.2e}",

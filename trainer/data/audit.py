@@ -5,6 +5,10 @@ checks the packed tokens themselves, not just counters: every document start (po
 first of a stream is a boundary, and the separators on it are the last token of the previous document
 and the first token of the next (exactly one is right); two separator tokens next to each other
 anywhere, inside a window or across consecutive windows of a stream, count as doubled separators.
+
+Documents whose text contains a special token's string (``<s>``, ``<|endoftext|>``, ...) are counted: such
+text is trained on as plain text, never as the special token, while a Hugging Face tokenizer given the
+same text maps it to the special token (text sources only; prepared tokens no longer hold the text).
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ def audit(config, tokenizer, *, max_sequences: int | None = None) -> dict:
     specs, weights = training_specs(config)
     plan = build_plan(config, tokenizer, specs, weights, num_shards=d.num_shards, shuffle=d.shuffle,
                       max_epochs=None if max_sequences is not None else 1)
-    plan = dataclasses.replace(plan, debug=True, positions=True)
+    literal = LiteralSpecials(tokenizer)
+    plan = dataclasses.replace(plan, debug=True, positions=True, tokenizer=literal)
     streams = [ShardStream(j, plan) for j in range(plan.num_shards)]
     sep_ids = np.array(sorted(set(plan.strip_ids) | {plan.separator_id}), dtype=np.int64)
     last_token: dict[tuple[int, int], int] = {}  # last token of each (shard, source) packed stream
@@ -84,6 +89,7 @@ def audit(config, tokenizer, *, max_sequences: int | None = None) -> dict:
         "doubled_separators": doubled,
         "missing_separators": missing,
         "stripped_separators": stats["stripped_separators"],
+        "literal_special_tokens": literal.report(),
         "skipped_empty": stats["skipped_empty"],
         "skipped_malformed": stats["skipped_malformed"],
         "skipped_undecodable": stats["skipped_undecodable"],
@@ -97,6 +103,41 @@ def audit(config, tokenizer, *, max_sequences: int | None = None) -> dict:
         ],
         "seconds": round(time.perf_counter() - start, 3),
     }
+
+
+class LiteralSpecials:
+    """The run's tokenizer, counting documents whose text holds a special token's string."""
+
+    def __init__(self, tokenizer):
+        from tokenizer._policy import special_strings
+
+        self._tok = tokenizer
+        self.strings = special_strings(tokenizer)
+        self.documents = 0
+        self.occurrences: dict[str, int] = {}
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name == "_tok":
+            raise AttributeError(name)
+        return getattr(self._tok, name)
+
+    def encode(self, text: str, **kwargs) -> list[int]:
+        found = {s: text.count(s) for s in self.strings if s in text}
+        if found:
+            self.documents += 1
+            for s, n in found.items():
+                self.occurrences[s] = self.occurrences.get(s, 0) + n
+        return self._tok.encode(text, **kwargs)
+
+    def report(self) -> dict:
+        return {"documents": self.documents, "occurrences": dict(sorted(self.occurrences.items()))}
+
+
+def _literal_row(literal: dict) -> str:
+    if not literal["documents"]:
+        return "0"
+    shown = ", ".join(f"{s} x{n:,}" for s, n in literal["occurrences"].items())
+    return f"{literal['documents']:,} ({shown}; trained as plain text)"
 
 
 def format_table(report: dict) -> str:
@@ -113,6 +154,7 @@ def format_table(report: dict) -> str:
         ("doubled separators", f"{report['doubled_separators']:,}"),
         ("boundaries without separator", f"{report['missing_separators']:,}"),
         ("tokenizer-added separators removed", f"{report['stripped_separators']:,}"),
+        ("documents with special-token text", _literal_row(report["literal_special_tokens"])),
         ("skipped: empty", f"{report['skipped_empty']:,}"),
         ("skipped: malformed", f"{report['skipped_malformed']:,}"),
         ("skipped: undecodable", f"{report['skipped_undecodable']:,}"),

@@ -31,8 +31,11 @@ class Data:
     pin_memory: bool = False
     """Return batches in pinned (page-locked) memory for asynchronous host-to-GPU copies. Turned on
     automatically on GPUs unless set explicitly."""
-    separator: Literal["bos", "eos"] = "bos"
-    """The one separator between packed documents: bos (prepended to every document) or eos (appended)."""
+    separator: Literal["auto", "bos", "eos"] = "auto"
+    """The one separator between packed documents: bos (prepended to every document) or eos (appended). auto:
+    what the tokenizer's files add (tokenizer_config.json add_bos_token/add_eos_token, else tokenizer.json's
+    post-processor): eos when they add only EOS, else bos, or eos for a tokenizer without BOS (GPT-2's
+    <|endoftext|>). Exports and evaluation follow it (docs/export_eval.md)."""
     document_positions: bool = False
     """Also emit "positions": each token's position inside its document (0 at every document start), so
     attention can be limited to the document where the backend supports it."""

@@ -74,15 +74,15 @@ def build_plan(config, tokenizer, specs: list[SourceSpec], weights: list[float],
                shuffle: bool, max_epochs: int | None, seq_len: int | None = None) -> DataPlan:
     """Resolve sources (start-up errors for missing files happen here) and the packing settings."""
     d = config.data
-    separator = d.separator
-    sep_id = tokenizer.bos_id if separator == "bos" else tokenizer.eos_id
-    explicit = getattr(config, "explicitly_set", lambda _key: True)
-    if sep_id is None and not explicit("data.separator") and tokenizer.eos_id is not None:
-        # The default (BOS) with a tokenizer that has none: EOS ends every document instead.
-        logger.info("the tokenizer has no BOS token: documents are separated by EOS (data.separator = eos)")
-        separator, sep_id = "eos", tokenizer.eos_id
-    if sep_id is None:
-        raise ConfigError(f"data.separator: the tokenizer has no {separator.upper()} token; choose the other one")
+    from tokenizer._policy import run_separator
+
+    try:
+        chosen = run_separator(config, tokenizer)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if chosen.note:
+        logger.info(chosen.note)
+    separator, sep_id = chosen.name, chosen.token_id
     seed = data_seed(config)
     fingerprint = tokenizer_fingerprint(tokenizer) if any(s.kind == "tokens" for s in specs) else {}
     opts = SourceOptions(text_field=d.text_field, text_document=d.text_document, seed=seed, shuffle=shuffle,

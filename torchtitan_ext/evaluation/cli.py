@@ -1,0 +1,330 @@
+"""``trainer eval``: lm-eval's command line on a native checkpoint or an exported folder.
+
+A user's ``lm_eval`` command works after changing the program name and the model arguments::
+
+    lm_eval     --model hf --model_args pretrained=exports/run --tasks hellaswag --batch_size auto ...
+    trainer eval --model hf --model_args pretrained=exports/run --tasks hellaswag --batch_size auto ...
+    trainer eval --model_args checkpoint=outputs/run         --tasks hellaswag --batch_size auto ...
+
+Arguments, short flags and defaults are lm-eval's (0.4.x ``lm_eval run``); ``--output_path DIR`` writes
+lm-eval's layout (``DIR/<model>/results_<time>.json``, ``samples_<task>_<time>.jsonl``). What this command
+cannot do is refused in one line (exit 2); docs/export_eval.md has the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("trainer")
+
+# lm-eval arguments this command refuses, with the reason.
+REFUSED = {
+    "wandb_args": "Weights & Biases logging is lm_eval's own; run lm_eval on an export (trainer export) for it",
+    "wandb_config_args": "Weights & Biases logging is lm_eval's own; run lm_eval on an export for it",
+    "trackio_args": "Trackio logging is lm_eval's own; run lm_eval on an export (trainer export) for it",
+    "hf_hub_log_args": "pushing results to the Hugging Face Hub is lm_eval's own; run lm_eval on an export for it",
+}
+NATIVE_REFUSED = {
+    "apply_chat_template": "a pretraining checkpoint has no chat template; export it and add one to use this",
+    "fewshot_as_multiturn": "multi-turn few-shot needs a chat template, which a pretraining checkpoint lacks",
+}
+MODELS = ("trainer", "hf")
+DEFAULT_SEED = "0,1234,1234,1234"
+
+
+class Refused(ValueError):
+    """An lm-eval feature this command does not provide."""
+
+
+def _seeds(value: str) -> list[int | None]:
+    """lm-eval's --seed: one integer for all four seeds, or python,numpy,torch,fewshot with 'None' allowed."""
+    items = []
+    for item in value.split(","):
+        item = item.strip().lower()
+        try:
+            items.append(None if item == "none" else int(item))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} is not an integer or None") from None
+    if len(items) == 1:
+        return items * 4
+    if len(items) == 3:  # lm-eval fills the fourth from its default
+        return items + [1234]
+    if len(items) != 4:
+        raise argparse.ArgumentTypeError(f"--seed takes 1 or 4 values, got {len(items)}")
+    return items
+
+
+def _cache_requests(value: str) -> dict[str, bool]:
+    if value not in ("true", "refresh", "delete"):
+        raise argparse.ArgumentTypeError(f"invalid value {value!r} (choose from true, refresh, delete)")
+    return {"cache_requests": value in ("true", "refresh"), "rewrite_requests_cache": value == "refresh",
+            "delete_requests_cache": value == "delete"}
+
+
+def _key_values(values: list[str]) -> dict[str, Any]:
+    """``k=v,k2=v2`` (several words allowed) or a JSON object, as lm-eval's --model_args / --metadata."""
+    from lm_eval.utils import simple_parse_args_string
+
+    out: dict[str, Any] = {}
+    for value in values:
+        value = value.strip()
+        if value.startswith("{"):
+            out.update(json.loads(value))
+        elif value:
+            out.update(simple_parse_args_string(value))
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:  # long: one add_argument per lm-eval option, in lm-eval's order
+    p = argparse.ArgumentParser(
+        prog="trainer eval", description="lm-eval on a native checkpoint (model 'trainer') or a Hugging Face "
+        "folder (model 'hf'), with lm_eval's command line. See docs/export_eval.md.")
+    a = p.add_argument
+    a("--checkpoint", help="DCP step folder, folder of step-N folders, or a run's dump folder "
+      "(= --model trainer --model_args checkpoint=...)")
+    a("--hf", help="a Hugging Face folder (= --model hf --model_args pretrained=...)")
+    a("--config", "-C", default=None, help="the run's config.toml (default: found above the checkpoint); "
+      "lm_eval's YAML configs are refused")
+    a("--tasks", "-t", nargs="+", default=None, help="task or group names, space or comma separated")
+    a("--model", "-M", default=None, help="trainer (a native checkpoint) or hf (default: hf "
+      "when the model arguments name 'pretrained', else trainer)")
+    a("--model_args", "-a", nargs="+", default=[], help="model arguments as key=val,key2=val2 or JSON")
+    a("--apply_chat_template", nargs="?", const=True, default=False, help="(hf only) apply the chat template")
+    a("--limit", "-L", type=float, default=None, help="examples per task (a fraction if < 1)")
+    a("--use_cache", "-c", default=None, help="sqlite cache of model responses (path prefix)")
+    a("--num_fewshot", "-f", type=int, default=None)
+    a("--batch_size", "-b", default="1", help="an integer, 'auto' or 'auto:N' (default 1)")
+    a("--max_batch_size", type=int, default=None, help="upper bound for --batch_size auto (default 64)")
+    a("--device", default=None, help="cuda, cuda:0, cpu, ... (default: cuda when available)")
+    a("--gen_kwargs", nargs="+", default=None, help="generation arguments, e.g. temperature=0,max_gen_toks=64")
+    a("--output_path", "-o", default=None, help="folder for lm-eval's layout (or a .json file)")
+    a("--log_samples", "-s", action="store_true", help="also write every example's inputs and outputs")
+    a("--samples", "-E", default=None, help="JSON of task -> example indices (instead of --limit)")
+    a("--cache_requests", type=_cache_requests, nargs="?", const="true", default=None,
+      metavar="true|refresh|delete")
+    a("--check_integrity", action="store_true", help="run the tasks' test suites")
+    a("--system_instruction", default=None, help="text put before every prompt")
+    a("--fewshot_as_multiturn", nargs="?", const=True, default=None,
+      type=lambda x: x.lower() in ("true", "1", "yes"), help="(hf with a chat template only)")
+    a("--include_path", default=None, help="folder of extra task YAMLs; relative data_files are read from it")
+    a("--verbosity", "-v", type=str.upper, default=None, help="log level of lm-eval (DEBUG, INFO, ...)")
+    a("--write_out", "-w", action="store_true", help="print the prompts of the first examples")
+    a("--show_config", action="store_true", help="print the whole results JSON")
+    for name in REFUSED:
+        a(f"--{name}", nargs="+", default=None, help=argparse.SUPPRESS)
+    a("--predict_only", "-x", action="store_true", help="save outputs only (implies --log_samples)")
+    a("--seed", type=_seeds, default=_seeds(DEFAULT_SEED), metavar="<python,numpy,torch,fewshot>",
+      help=f"random seeds, one or four values (default {DEFAULT_SEED})")
+    a("--trust_remote_code", action="store_true", help="(hf) allow the folder's own code")
+    a("--confirm_run_unsafe_code", action="store_true", help="allow tasks that execute model output")
+    a("--metadata", nargs="+", default=None, help="task metadata as key=val or JSON")
+    g = p.add_argument_group("this project's options")
+    g.add_argument("--bootstrap_iters", type=int, default=100000,
+                   help="bootstrap resamples for standard errors (lm-eval's default; 0: none)")
+    g.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (trainer default fp32; hf: the folder's)")
+    g.add_argument("--max_length", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--step", type=int, default=None, help="(trainer) this step instead of the latest")
+    g.add_argument("--flavor", default=None, help="(trainer) override the model flavor of the run's config")
+    g.add_argument("--tokenizer", default=None, help="(trainer) override the run's tokenizer path")
+    g.add_argument("--add_bos_token", choices=["auto", "true", "false"], default="auto",
+                   help="prepend BOS to every request (auto: the run's BOS/EOS rule, as the export does)")
+    return p
+
+
+def _model_and_args(args) -> tuple[str, dict[str, Any]]:
+    """The model name and its arguments (lm-eval's --model/--model_args plus this command's shortcuts)."""
+    model_args = _key_values(args.model_args)
+    if args.checkpoint:
+        model_args["checkpoint"] = args.checkpoint
+    if args.hf:
+        model_args["pretrained"] = args.hf
+    if "checkpoint" in model_args and "pretrained" in model_args:
+        raise ValueError("give a checkpoint (--checkpoint, checkpoint=) or a Hugging Face folder (--hf, "
+                         "pretrained=), not both")
+    model = args.model or ("hf" if "pretrained" in model_args else "trainer")
+    if model not in MODELS:
+        raise Refused(f"--model {model}: trainer eval runs 'trainer' (native checkpoints) and 'hf'; run lm_eval "
+                      "itself for other backends")
+    if model == "trainer":
+        if "checkpoint" not in model_args:
+            raise ValueError("name the checkpoint: --checkpoint DIR or --model_args checkpoint=DIR")
+        for key, value in (("config", args.config), ("flavor", args.flavor), ("tokenizer_path", args.tokenizer),
+                           ("step", args.step), ("dtype", args.dtype or "fp32"), ("max_length", args.max_length)):
+            if value is not None:
+                model_args.setdefault(key, value)
+        for name, reason in NATIVE_REFUSED.items():
+            if getattr(args, name):
+                raise Refused(f"--{name}: {reason}")
+    else:
+        if "pretrained" not in model_args:
+            raise ValueError("name the model folder: --hf DIR or --model_args pretrained=DIR")
+        if not (Path(str(model_args["pretrained"])) / "config.json").is_file():
+            raise FileNotFoundError(f"{model_args['pretrained']} is not a Hugging Face model folder (no config.json)")
+        for key, value in (("dtype", args.dtype and _torch_dtype(args.dtype)), ("max_length", args.max_length),
+                           ("trust_remote_code", args.trust_remote_code or None)):
+            if value is not None:
+                model_args.setdefault(key, value)
+    for path_key in ("checkpoint", "pretrained", "config", "tokenizer_path"):  # the task data is read elsewhere
+        if isinstance(model_args.get(path_key), str) and Path(model_args[path_key]).exists():
+            model_args[path_key] = str(Path(model_args[path_key]).resolve())
+    if args.add_bos_token != "auto":
+        model_args["add_bos_token"] = args.add_bos_token == "true"
+    return model, model_args
+
+
+def _torch_dtype(name: str):
+    from torchtitan_ext.native import parse_dtype
+
+    return parse_dtype(name)
+
+
+def _refuse(args) -> None:
+    for name, reason in REFUSED.items():
+        if getattr(args, name) is not None:
+            raise Refused(f"--{name}: {reason}")
+    if args.config and not args.config.endswith(".toml"):
+        raise Refused("--config: lm_eval's YAML configs are not read; write their arguments on the command line "
+                      "(--config here is a run's config.toml)")
+
+
+def _build_lm(model: str, model_args: dict, args):
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    extra = {"batch_size": args.batch_size, "max_batch_size": args.max_batch_size, "device": device}
+    if model == "hf":
+        from lm_eval.models.huggingface import HFLM
+
+        return HFLM.create_from_arg_obj(dict(model_args), extra)
+    from torchtitan_ext.evaluation.lm import NativeLM
+
+    return NativeLM.create_from_arg_obj(dict(model_args), extra)
+
+
+def _run(lm, model: str, model_args: dict, args, tasks: list[str]):
+    """simple_evaluate with every lm-eval option given (those this lm-eval lacks are refused)."""
+    from lm_eval.loggers import EvaluationTracker
+
+    from torchtitan_ext.evaluation.lm import evaluate
+
+    limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
+    tracker = EvaluationTracker(output_path=str(Path(args.output_path).resolve())) if args.output_path else None
+    options: dict[str, Any] = dict(
+        max_batch_size=args.max_batch_size, use_cache=args.use_cache, **(args.cache_requests or {}),
+        samples=json.loads(args.samples) if args.samples else None, check_integrity=args.check_integrity or None,
+        write_out=args.write_out or None, evaluation_tracker=tracker, system_instruction=args.system_instruction,
+        apply_chat_template=args.apply_chat_template or None, fewshot_as_multiturn=args.fewshot_as_multiturn,
+        verbosity=args.verbosity, predict_only=args.predict_only or None,
+        confirm_run_unsafe_code=args.confirm_run_unsafe_code or None,
+        metadata=_key_values(args.metadata) if args.metadata else None, model_args=model_args)
+    from lm_eval import simple_evaluate
+
+    accepted = inspect.signature(simple_evaluate).parameters
+    missing = [k for k, v in options.items() if v is not None and k not in accepted]
+    if missing:
+        raise Refused(f"--{missing[0]}: this lm-eval version lacks it; upgrade lm-eval")
+    options = {k: v for k, v in options.items() if v is not None}
+    results = evaluate(lm, tasks, include_path=args.include_path, limit=limit, num_fewshot=args.num_fewshot,
+                       batch_size=args.batch_size, seed=args.seed, log_samples=args.log_samples,
+                       gen_kwargs=",".join(args.gen_kwargs) if args.gen_kwargs else None,
+                       bootstrap_iters=args.bootstrap_iters, **options)
+    return results, tracker
+
+
+def _tokenizer_info(lm) -> dict[str, Any]:
+    """The tokenizer fields lm-eval records for its HF backend, for the native model."""
+    from tokenizer._policy import token_string
+
+    tok = getattr(lm, "tok", None)
+    if tok is None:
+        return {}
+    info = {f"tokenizer_{name}_token": [token_string(tok, tid), str(tid)]
+            for name, tid in (("pad", tok.pad_id), ("eos", tok.eos_id), ("bos", tok.bos_id))}
+    return {**info, "eot_token_id": lm.eot_token_id, "max_length": lm.max_length}
+
+
+def _save(results: dict, tracker, model: str, model_args: dict, args) -> None:
+    """Write the results as lm-eval does (a .json --output_path: exactly that file, samples inside)."""
+    from lm_eval.utils import handle_non_serializable, sanitize_model_name
+
+    name = str(model_args.get("pretrained") or model_args.get("checkpoint"))
+    source = f"checkpoint:{model_args['checkpoint']}" if model == "trainer" else f"hf:{model_args['pretrained']}"
+    results.setdefault("config", {}).update(model=model, model_args=model_args, model_source=source)
+    samples = results.pop("samples", None) if (args.log_samples or args.predict_only) else None
+    results.pop("samples", None)
+    if args.output_path is None:
+        return
+    if args.output_path.endswith(".json"):
+        out = Path(args.output_path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        body = dict(results, samples=samples) if samples is not None else results
+        out.write_text(json.dumps(body, indent=2, default=handle_non_serializable, ensure_ascii=False))
+        logger.info("results written to %s", out)
+        return
+    tracker.general_config_tracker.model_name = name
+    tracker.general_config_tracker.model_name_sanitized = sanitize_model_name(name)
+    tracker.save_results_aggregated(results=results, samples=samples)
+    if samples is not None:
+        for task_name in results.get("configs", {}):
+            tracker.save_results_samples(task_name=task_name, samples=samples[task_name])
+    logger.info("results written under %s", Path(args.output_path) / sanitize_model_name(name))
+
+
+def _report(results: dict, model: str, model_args: dict, args, seconds: float) -> None:
+    from lm_eval.utils import handle_non_serializable, make_table
+
+    if args.show_config:
+        print(json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False))
+    sizes = ",".join(map(str, results.get("config", {}).get("batch_sizes", [])))
+    print(f"{model} ({model_args}), gen_kwargs: ({args.gen_kwargs}), limit: {args.limit}, num_fewshot: "
+          f"{args.num_fewshot}, batch_size: {args.batch_size}{f' ({sizes})' if sizes else ''}")
+    print(make_table(results))
+    if "groups" in results:
+        print(make_table(results, "groups"))
+    logger.info("lm-eval finished in %.1f s", seconds)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from trainer import logs
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:  # lm_eval run ... (lm-eval >= 0.4.10's subcommand form)
+        argv = argv[1:]
+    elif argv[:1] in (["ls"], ["validate"]):
+        print(f"trainer eval: 'lm_eval {argv[0]}' is lm_eval's own; run lm_eval {argv[0]} ...", file=sys.stderr)
+        return 2
+    args = build_parser().parse_args(argv)
+    logs.setup()
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        from torchtitan_ext.evaluation.lm import INSTALL_HINT
+
+        print(INSTALL_HINT, file=sys.stderr)
+        return 2
+    tasks = [t.strip() for item in (args.tasks or []) for t in item.split(",") if t.strip()]
+    t0 = time.perf_counter()
+    try:
+        if not tasks:
+            raise ValueError("--tasks is required (lm-eval task or group names)")
+        _refuse(args)
+        model, model_args = _model_and_args(args)
+        lm = _build_lm(model, model_args, args)
+        results, tracker = _run(lm, model, model_args, args, tasks)
+    except (FileNotFoundError, ValueError, KeyError, TypeError) as e:
+        print(f"trainer eval: {e}", file=sys.stderr)
+        return 2
+    if results is None:  # non-zero ranks under lm-eval's own distribution
+        return 0
+    for key, value in _tokenizer_info(lm).items():
+        results.setdefault(key, value)
+    _save(results, tracker, model, model_args, args)
+    _report(results, model, model_args, args, time.perf_counter() - t0)
+    return 0

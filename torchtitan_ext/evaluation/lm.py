@@ -1,0 +1,333 @@
+"""lm-eval-harness on a native checkpoint (our model class), for ``trainer eval`` and the ``[eval]`` section.
+
+The native path registers the lm-eval model ``trainer`` (:class:`NativeLM`): the model is loaded from the
+DCP checkpoint with our own code and scored with our own forward, so no export is needed. It implements
+``loglikelihood`` (batched, longest first), ``loglikelihood_rolling`` (lm-eval's disjoint rolling windows
+at ``max_length``) and ``generate_until`` (batched, KV cache, greedy unless the task asks for sampling).
+
+Requests start with BOS when the run trained with BOS before every document (its BOS/EOS rule,
+tokenizer/_policy.py), which is what the exported tokenizer does too (lm-eval's HF backend), and
+``max_length`` defaults to the flavor's context length (the export's ``max_position_embeddings``), so a
+native checkpoint and its export get the same scores.
+
+Usage (the argument names are lm-eval's)::
+
+    trainer eval --model_args checkpoint=outputs/run --tasks hellaswag,arc_easy --limit 100 --batch_size auto \
+        --output_path results/
+    trainer eval --model hf --model_args pretrained=exported/ --tasks my_task --include_path tasks/
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger("trainer")
+
+try:
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.api.registry import register_model
+
+    HAVE_LM_EVAL = True
+except ImportError:  # pragma: no cover - exercised only without the eval extra
+    HAVE_LM_EVAL = False
+    TemplateLM = object  # type: ignore[misc,assignment]
+
+    def register_model(*_names):  # type: ignore[no-redef]
+        return lambda cls: cls
+
+
+INSTALL_HINT = "trainer eval needs lm-eval: pip install 'lm-eval[hf]>=0.4.5' (or the project's [eval] extra)"
+
+
+def _adds_bos(tok, config=None) -> bool:
+    """Whether requests start with BOS. With the run's config: its BOS/EOS rule (tokenizer/_policy.py), which
+    the export follows too, so a checkpoint and its export are scored alike; without one: what the
+    tokenizer's own files add."""
+    from tokenizer._policy import run_separator, tokenizer_rule
+
+    if config is None or isinstance(config, (str, Path)):
+        return tokenizer_rule(tok).adds_bos and tok.bos_id is not None
+    return run_separator(config, tok, trained=True).add_bos
+
+
+@register_model("trainer")
+class NativeLM(TemplateLM):
+    """lm-eval model over our ``Transformer``.
+
+    Either ``checkpoint=`` (a DCP step/checkpoint/dump folder; ``config``, ``flavor``, ``tokenizer``,
+    ``step`` as in ``trainer export``) or ``model=`` and ``tokenizer=`` objects (in-process evaluation of a
+    model being trained; it must be unsharded or replicated on this process).
+    """
+
+    def __init__(self, checkpoint: str | None = None, *, model=None, tokenizer=None, config=None,
+                 flavor: str | None = None, tokenizer_path: str | None = None, step: int | None = None,
+                 dtype: str = "fp32", device: str | None = "cpu", batch_size: int | str | None = 8,
+                 max_batch_size: int | None = None, max_length: int | None = None, max_gen_toks: int = 256,
+                 add_bos_token: bool | None = None, context_length: int | None = None,
+                 trust_remote_code: bool | None = None):
+        super().__init__()
+        if model is None:
+            if checkpoint is None:
+                raise ValueError("NativeLM needs checkpoint=... (or model= and tokenizer=)")
+            from torchtitan_ext.native import load_native
+
+            loaded = load_native(checkpoint, config_path=config, flavor=flavor, tokenizer_path=tokenizer_path,
+                                 step=int(step) if step is not None else None, dtype=dtype, device=device or "cpu")
+            model, tokenizer, context_length = loaded.model, loaded.tokenizer, loaded.context_length
+            config = loaded.config
+        elif tokenizer is None:
+            raise ValueError("NativeLM(model=...) also needs tokenizer=")
+        self.model = model
+        self.tok = tokenizer
+        self._device = next(model.parameters()).device
+        # auto / auto:N: the largest batch (max_batch_size, default 64), halved on CUDA out-of-memory.
+        self._auto_batch = str(batch_size).startswith("auto")
+        self.batch_size = int(max_batch_size or 64) if self._auto_batch else int(batch_size or 1)
+        rope_len = int(model.rope_cache.shape[0])
+        self._max_length = int(max_length or context_length or rope_len)
+        if self._max_length > rope_len:
+            raise ValueError(f"max_length {self._max_length} exceeds the model's RoPE table ({rope_len})")
+        self.max_gen_toks = int(max_gen_toks)
+        if isinstance(add_bos_token, str):
+            add_bos_token = add_bos_token.lower() in ("1", "true", "yes")
+        self.add_bos_token = _adds_bos(tokenizer, config) if add_bos_token is None else bool(add_bos_token)
+        self.tokenizer = None  # lm-eval reads HF tokenizer attributes from .tokenizer; ours is .tok
+
+    # --- lm-eval plumbing ---------------------------------------------------------------------------
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tok.eos_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        return self.tok.bos_id if self.tok.bos_id is not None else self.tok.eos_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def device(self):
+        return self._device
+
+    def get_model_info(self) -> dict:
+        """The fields lm-eval's HF backend records in results["config"]."""
+        params = sum(p.numel() for p in self.model.parameters())
+        dtype = next(self.model.parameters()).dtype
+        return {"model_num_parameters": int(params), "model_dtype": str(dtype), "model_revision": "",
+                "model_sha": ""}
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(getattr(self.tok, "path", type(self.tok).__name__)).replace("/", "__")
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
+                   **kwargs) -> list[int]:
+        bos = self.add_bos_token if add_special_tokens is None else (add_special_tokens and self.add_bos_token)
+        ids = self.tok.encode(string, bos=bos)
+        if left_truncate_len:
+            ids = ids[-left_truncate_len:]
+        return ids
+
+    def tok_decode(self, ids) -> str:
+        return self.tok.decode(list(ids))
+
+    @torch.no_grad()
+    def _logits(self, batch: torch.Tensor) -> torch.Tensor:
+        try:
+            logits = self.model(batch.to(self._device))
+        except torch.cuda.OutOfMemoryError:
+            if not self._auto_batch or batch.shape[0] == 1:
+                raise
+            torch.cuda.empty_cache()
+            half = batch.shape[0] // 2
+            self.batch_size = min(self.batch_size, half)  # later batches start at the size that fitted
+            return torch.cat([self._logits(batch[:half]), self._logits(batch[half:])])
+        full_tensor = getattr(logits, "full_tensor", None)  # vocabulary-sharded logits (tensor parallel)
+        return full_tensor() if full_tensor is not None else logits
+
+    # --- requests ------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
+        """``[(cache_key, context_ids, continuation_ids)] -> [(logprob, is_greedy)]``, longest first."""
+        from tqdm import tqdm
+
+        order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
+        results: list[tuple[float, bool] | None] = [None] * len(requests)
+        bs = override_bs or self.batch_size
+        pbar = tqdm(total=len(requests), disable=disable_tqdm, desc="loglikelihood (native)")
+        for b in range(0, len(order), bs):
+            idx = order[b:b + bs]
+            inputs, metas = [], []
+            for i in idx:
+                _, ctx, cont = requests[i]
+                if not cont:
+                    raise ValueError("empty continuation in a loglikelihood request")
+                whole = (list(ctx) + list(cont))[-(self.max_length + 1):]
+                inp = whole[:-1]
+                inputs.append(inp)
+                metas.append((len(inp), list(cont)))
+            width = max(len(x) for x in inputs)
+            batch = torch.zeros((len(inputs), width), dtype=torch.long)  # right padding: causal, harmless
+            for row, inp in enumerate(inputs):
+                batch[row, :len(inp)] = torch.tensor(inp, dtype=torch.long)
+            logprobs = F.log_softmax(self._logits(batch).float(), dim=-1).cpu()
+            for row, (i, (inplen, cont)) in enumerate(zip(idx, metas)):
+                n = len(cont)
+                lp = logprobs[row, inplen - n:inplen]  # positions predicting the continuation
+                target = torch.tensor(cont, dtype=torch.long)
+                is_greedy = bool((lp.argmax(dim=-1) == target).all())
+                answer = (float(lp.gather(-1, target[:, None]).sum()), is_greedy)
+                results[i] = answer
+                cache_key = requests[i][0]
+                if cache_key is not None:
+                    self.cache_hook.add_partial("loglikelihood", cache_key, answer)
+                pbar.update(1)
+        pbar.close()
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        from lm_eval import utils
+
+        windows, owners = [], []
+        for r, req in enumerate(requests):
+            (string,) = req.args
+            for window in map(utils.make_disjoint_window, utils.get_rolling_token_windows(
+                    token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length, context_len=1)):
+                windows.append((None,) + tuple(window))
+                owners.append(r)
+        scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
+        totals = [0.0] * len(requests)
+        for r, (lp, _) in zip(owners, scores):
+            totals[r] += lp
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", (req.args[0],), total)
+        return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        from torchtitan_ext.generate import generate
+
+        results: list[str | None] = [None] * len(requests)
+        groups: dict[str, list[int]] = {}
+        for i, req in enumerate(requests):
+            groups.setdefault(json.dumps(req.args[1], sort_keys=True, default=str), []).append(i)
+        eos_text = self.tok.decode([self.tok.eos_id]) if self.tok.eos_id is not None else ""
+        for key, idx in groups.items():
+            kwargs = dict(requests[idx[0]].args[1])
+            until = kwargs.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            if eos_text and eos_text not in until:
+                until.append(eos_text)
+            max_gen = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
+            # Greedy unless the task explicitly samples (do_sample: true with a positive temperature).
+            do_sample = bool(kwargs.pop("do_sample", False))
+            temperature = float(kwargs.pop("temperature", 0.0) or 0.0) if do_sample else 0.0
+            top_k = int(kwargs.pop("top_k", 0) or 0)
+            top_p = float(kwargs.pop("top_p", 1.0) or 1.0)
+            idx = sorted(idx, key=lambda i: -len(self.tok_encode(requests[i].args[0])))
+            for b in range(0, len(idx), self.batch_size):
+                chunk = idx[b:b + self.batch_size]
+                contexts = [self.tok_encode(requests[i].args[0], left_truncate_len=self.max_length - max_gen)
+                            for i in chunk]
+                contexts = [c if c else [self.prefix_token_id] for c in contexts]
+                stops = [u for u in until if u]
+
+                def stop_fn(row, ids, _stops=stops):
+                    text = self.tok.decode(ids)
+                    return any(s in text for s in _stops)
+
+                new = generate(self.model, contexts, max_gen, temperature=temperature, top_k=top_k, top_p=top_p,
+                               eos_id=self.tok.eos_id, pad_id=self.tok.pad_id or 0, stop_fn=stop_fn)
+                for i, ids in zip(chunk, new):
+                    text = self.tok.decode(ids)
+                    for s in stops:
+                        if s in text:
+                            text = text.split(s)[0]
+                    results[i] = text
+                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
+        return results  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------------------------------
+# trainer eval
+# --------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _working_dir(path: Path | None):
+    if path is None:
+        yield
+        return
+    old = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(old)
+
+
+_TASK_MANAGERS: dict[tuple[str | None, bool], Any] = {}
+
+
+def _task_manager(include: str | None, tasks: list[str]):
+    """A (cached) lm-eval TaskManager. Indexing lm-eval's built-in tasks takes ~10 s, so when every
+    requested task is in the include folder only that folder is indexed."""
+    from lm_eval.tasks import TaskManager
+
+    if include:
+        key = (include, False)
+        if key not in _TASK_MANAGERS:
+            try:
+                _TASK_MANAGERS[key] = TaskManager(include_path=include, include_defaults=False)
+            except TypeError:  # an lm-eval without include_defaults
+                _TASK_MANAGERS[key] = None
+        local = _TASK_MANAGERS[key]
+        if local is not None and all(local.match_tasks([t]) for t in tasks):
+            return local
+    key = (include, True)
+    if key not in _TASK_MANAGERS:
+        _TASK_MANAGERS[key] = TaskManager(include_path=include) if include else TaskManager()
+    return _TASK_MANAGERS[key]
+
+
+def evaluate(lm, tasks: list[str], *, include_path: str | None = None, limit: float | None = None,
+             num_fewshot: int | None = None, batch_size: int | str | None = None,
+             seed: int | list[int | None] = 1234, log_samples: bool = False, gen_kwargs: str | None = None,
+             data_dir: str | Path | None = None, bootstrap_iters: int = 0, **options) -> dict:
+    """Run lm-eval's ``simple_evaluate`` on an LM object and return its results.
+
+    ``seed``: one value for lm-eval's four seeds, or [python, numpy, torch, fewshot]. ``options`` go to
+    ``simple_evaluate`` as they are (``write_out``, ``evaluation_tracker``, ...). Task datasets given with
+    relative ``data_files`` are resolved against ``data_dir`` (default: the include_path folder), so a task
+    folder can ship its own small JSON/JSONL data.
+    """
+    from lm_eval import simple_evaluate
+
+    include = str(Path(include_path).resolve()) if include_path else None
+    task_manager = _task_manager(include, tasks)
+    unknown = [t for t in tasks if not task_manager.match_tasks([t])]
+    if unknown:
+        hint = f" (looked in lm-eval's tasks and {include})" if include else " (add --include_path for local tasks)"
+        raise ValueError(f"unknown task(s): {', '.join(unknown)}{hint}")
+    workdir = Path(data_dir).resolve() if data_dir else (Path(include) if include else None)
+    if workdir is not None and workdir.is_file():
+        workdir = workdir.parent
+    seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * 4
+    with _working_dir(workdir):
+        results = simple_evaluate(
+            model=lm, tasks=tasks, num_fewshot=num_fewshot, batch_size=batch_size, limit=limit,
+            task_manager=task_manager, log_samples=log_samples, gen_kwargs=gen_kwargs, random_seed=seeds[0],
+            numpy_random_seed=seeds[1], torch_random_seed=seeds[2], fewshot_random_seed=seeds[3],
+            bootstrap_iters=bootstrap_iters, **options)
+    return results
