@@ -8,6 +8,7 @@ own sections through the registry (trainer/extensions.py); ``JobConfig`` is asse
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -17,6 +18,9 @@ from trainer.config.torchtitan import (
     QuantizeGroupedMM,
 )
 from trainer.data.config import Data
+
+# checkpoint.checksum's default: xxh3_128 when the xxhash package is installed (a dependency), else sha256.
+_DEFAULT_CHECKSUM = "xxh3_128" if importlib.util.find_spec("xxhash") is not None else "sha256"
 
 @dataclass
 class Job:
@@ -226,6 +230,15 @@ class Checkpoint:
     """Initialise the model, save it as step 0, and exit (run on one process)."""
     max_failed_saves: int = 1
     """Stop the run (non-zero exit) after this many consecutive failed saves."""
+    checksum: Literal["xxh3_128", "sha256", "none"] = _DEFAULT_CHECKSUM
+    """Checksum of every checkpoint file, computed while it is written and recorded in the commit marker
+    (xxh3_128 needs the xxhash package; none records sizes only)."""
+    verify_on_load: bool = True
+    """Verify the checksums before loading a checkpoint; a mismatch refuses it as corrupt and the previous
+    checkpoint is loaded instead."""
+    start_fresh_if_unloadable: bool = False
+    """When the checkpoint folder holds checkpoints and none can be loaded, start from step 0 anyway
+    (nothing is deleted) instead of stopping with exit code 3."""
     timeout_seconds: int = 1800
     """Collective timeout while saving or loading a checkpoint (ranks wait for the slowest writer); a save
     that takes longer counts as failed."""

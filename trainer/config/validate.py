@@ -8,6 +8,7 @@ layout) run when it is given. Extensions add their rules through the registry.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import stat
@@ -132,6 +133,9 @@ def _check_observability(config) -> None:
 
 def _check_checkpoint(config) -> None:
     cfg = config.checkpoint
+    if cfg.checksum == "xxh3_128" and importlib.util.find_spec("xxhash") is None:
+        raise ConfigError("checkpoint.checksum xxh3_128 needs the xxhash package: pip install xxhash, or set "
+                          "checkpoint.checksum sha256")
     if cfg.exclude_from_loading:  # imported only when needed: trainer.checkpoint imports torch
         from trainer.checkpoint.state import STATE_KEYS
 
