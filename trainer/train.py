@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from trainer import compat, launch, logs, observability
+from trainer import compat, launch, logs, observability, preemption, runlock
 from trainer.callbacks import CallbackList, RunView, build_callbacks
 from trainer.checkpoint import CheckpointManager, TrainState
 from trainer.config import JobConfig, help_text, load_config, to_toml, validate
@@ -445,14 +445,24 @@ class Trainer:
             logger.info("checkpoint is already at step %d of %d: nothing to train", start_step, config.training.steps)
         self.callbacks.on_train_start(self.run_view)
         self.throughput.reset()
+        # SIGTERM/SIGINT: finish the step, agree, save, stop (trainer/preemption.py).
+        stopping = preemption.PreemptionHandler(config.checkpoint.preemption_check_steps, self.checkpointer.comm.pg)
+        stopping.install()
         # Profiler, memory snapshots, hang watchdog; the run summary (summary.json) at the end or on failure.
-        with observability.Observability(self) as obs:
-            for step in range(start_step + 1, config.training.steps + 1):
-                self.run_step(step, obs)
-                if step == start_step + 1:
-                    set_train_timeout(config.comm.train_timeout_seconds)
-            with obs.checkpoint():
-                self.checkpointer.finish()
+        try:
+            with observability.Observability(self) as obs:
+                for step in range(start_step + 1, config.training.steps + 1):
+                    self.run_step(step, obs)
+                    if step == start_step + 1:
+                        set_train_timeout(config.comm.train_timeout_seconds)
+                    signum = stopping.agreed(step) if step < config.training.steps else 0
+                    if signum:
+                        with obs.checkpoint():
+                            preemption.stop(self, step, signum)
+                with obs.checkpoint():
+                    self.checkpointer.finish()
+        finally:
+            stopping.restore()
         self.metrics.close()
 
 
@@ -613,7 +623,9 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(help_text())
         return 0
-    trainer = None
+    trainer = lock = None
+    if "LOCAL_RANK" in os.environ:
+        preemption.die_with_parent()  # no orphan worker when the torchrun agent is killed
     try:
         config = load_config(argv)
         validate(config, int(os.environ.get("WORLD_SIZE", 1)))
@@ -621,6 +633,7 @@ def main(argv: list[str] | None = None) -> int:
         if config.job.dry_run:
             dry_run(config)
             return 0
+        lock = runlock.acquire_in_worker(config.job)  # unless the launcher holds it
         trainer = Trainer(config)
         if trainer.checkpointer.seed_created:
             return 0  # checkpoint.create_seed_checkpoint: step-0 saved, nothing to train
@@ -635,6 +648,8 @@ def main(argv: list[str] | None = None) -> int:
             logger.error(note)
         raise
     finally:
+        if lock is not None:
+            lock.release()
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0

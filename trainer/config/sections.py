@@ -30,6 +30,10 @@ class Job:
     """Folder for everything a run writes: resolved config, metrics.jsonl, TensorBoard events, checkpoints."""
     description: str = ""
     """Free text describing the run; saved in config.toml and summary.json."""
+    lock_stale_after_s: int = 300
+    """One run per dump folder: the run holds <dump_folder>/run.lock (host, pid, start time, a heartbeat
+    every 15 s); a lock whose process is gone (same host) or whose heartbeat is older than this is taken
+    over with a warning. 0: no lock."""
     print_config: bool = False
     """Log the resolved configuration (JSON) at start-up, then train, as torchtitan does. To print it
     without training: `trainer config [--job.config_file X ...]` (TOML)."""
@@ -239,6 +243,10 @@ class Checkpoint:
     start_fresh_if_unloadable: bool = False
     """When the checkpoint folder holds checkpoints and none can be loaded, start from step 0 anyway
     (nothing is deleted) instead of stopping with exit code 3."""
+    preemption_check_steps: int = 5
+    """On SIGTERM/SIGINT the run saves a full checkpoint and stops (exit 128 + signal); the ranks agree on
+    a received signal every this many steps (one small CPU all-reduce), so the stop comes at most this
+    many steps after the signal."""
     timeout_seconds: int = 1800
     """Collective timeout while saving or loading a checkpoint (ranks wait for the slowest writer); a save
     that takes longer counts as failed."""

@@ -73,9 +73,10 @@ def _check_core(config) -> None:
                 "parallelism.pipeline_parallel_degree",
                 "parallelism.pipeline_parallel_microbatch_size", "profiling.profile_freq",
                 "checkpoint.max_failed_saves", "checkpoint.timeout_seconds", "comm.init_timeout_seconds",
-                "comm.train_timeout_seconds"):
+                "comm.train_timeout_seconds", "checkpoint.preemption_check_steps"):
         positive(key)
     positive("lr_scheduler.warmup_steps", 0)
+    positive("job.lock_stale_after_s", 0)
     positive("checkpoint.keep_latest_k", 0)
     t = config.training
     if t.global_batch_size != -1 and (t.global_batch_size < 1 or t.global_batch_size % t.local_batch_size):

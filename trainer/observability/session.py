@@ -174,6 +174,8 @@ class Observability:
                 logger.warning("stopping the %s: %s", what, e)
         if exc_type is None:
             self.write_summary("completed")
+        elif getattr(exc, "summary_status", None):  # e.g. a preemption: stopped on purpose, after saving
+            self.write_summary(exc.summary_status, str(exc))
         elif issubclass(exc_type, KeyboardInterrupt):
             self.write_summary("interrupted", "KeyboardInterrupt")
         else:
