@@ -33,6 +33,7 @@ from trainer.config import JobConfig, help_text, load_config, to_toml, validate
 from trainer.errors import TrainerError
 from trainer.data import build_train_loader, build_val_loader
 from trainer.data.checks import grad_accum_steps
+from trainer.data.faults import SkipMonitor
 from trainer.data.tokenizer import load_tokenizer
 from trainer.fingerprint import sequence_fingerprint, wrap_int64
 from trainer.metrics import MetricsWriter, Throughput, console_line, format_eta, memory_gib, peak_tflops, use_color
@@ -87,6 +88,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(config)
         self.train_loader = build_train_loader(config, self.tokenizer, dp_rank=self.dp_rank,
                                                dp_world_size=self.dims.dp)
+        self.skip_monitor = SkipMonitor(self.train_loader, config, self.dims.dp_mesh.get_group(), self.dims.dp)
         self.val_loader = (build_val_loader(config, self.tokenizer, dp_rank=self.dp_rank, dp_world_size=self.dims.dp)
                            if config.validation.enable else None)
 
@@ -357,6 +359,7 @@ class Trainer:
             record["skip_reason"] = out["skip_reason"]
         record.update(self.callbacks.metrics(self.run_view, step))
         record.update(self.checkpointer.metrics())
+        record.update(self.skip_monitor.record(self.is_logging_rank))  # may stop: data.max_skipped_fraction
         if self.val_loader is not None and step % self.config.validation.freq == 0:
             record["validation_loss"] = self.validate()
         if self.is_logging_rank:

@@ -22,7 +22,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from trainer.data.sources import (
-    BLOCK_BYTES, EMPTY, MALFORMED, OK, STRIPPED_LEADING, STRIPPED_TRAILING, UNDECODABLE, DataError, Source,
+    BLOCK_BYTES, EMPTY, MALFORMED, MISSING_FIELD, OK, STRIPPED_LEADING, STRIPPED_TRAILING, UNDECODABLE, DataError,
+    Source,
 )
 
 STAT_KEYS = (
@@ -31,6 +32,7 @@ STAT_KEYS = (
     "skipped_empty",
     "skipped_malformed",
     "skipped_undecodable",
+    "skipped_missing_field",  # a JSON line without data.text_field (counted as malformed by audit/prepare)
     "long_documents",  # longer than data.long_document_windows windows (still used)
     "truncated_documents",  # cut to data.max_document_tokens
     "stripped_separators",  # BOS/EOS the tokenizer itself added, removed before adding the one separator
@@ -224,7 +226,8 @@ class DocumentTokenizer:
                     status = EMPTY
             if status != OK:
                 if count:
-                    stats[_SKIP_KEY[status]] += 1
+                    missing = status == MALFORMED and obj is MISSING_FIELD
+                    stats["skipped_missing_field" if missing else _SKIP_KEY[status]] += 1
                 if self.reader.epoch >= first_epoch + 2:
                     raise DataError(
                         f"{self.reader.source.spec.key} ({self.reader.source.label}): shard {self.reader.shard} "
@@ -232,7 +235,7 @@ class DocumentTokenizer:
                         f"malformed {stats['skipped_malformed']}, undecodable {stats['skipped_undecodable']})"
                         # Malformed JSON-lines or columns usually mean the text is under another name.
                         + (f"; is the text under another field than {self.reader.source.opts.text_field!r} "
-                           "(data.text_field)?" if stats["skipped_malformed"] else "")
+                           "(data.text_field)?" if stats["skipped_malformed"] or stats["skipped_missing_field"] else "")
                     )
                 continue
             if plan.max_document_tokens and len(ids) > plan.max_document_tokens:

@@ -243,6 +243,7 @@ class Observability:
             "checkpoints_saved": saves,
             "checkpoint_failures": getattr(checkpointer, "failures", None) if saves is not None else None,
             "last_loss": last.get("loss"),
+            "data_skipped": last.get("data_skipped", {}),
             "last_logged_step": last.get("step"),
             "world_size": self.world_size,
             "memory_gib": _memory_gib(trainer.device),
