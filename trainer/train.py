@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import gc
 import json
 import logging
@@ -30,7 +31,7 @@ from trainer import compat, launch, logs, observability, preemption, runlock
 from trainer.callbacks import CallbackList, RunView, build_callbacks
 from trainer.checkpoint import CheckpointManager, TrainState
 from trainer.config import JobConfig, help_text, load_config, to_toml, validate
-from trainer.errors import TrainerError
+from trainer.errors import OutputError, TrainerError
 from trainer.data import build_train_loader, build_val_loader
 from trainer.data.checks import grad_accum_steps
 from trainer.data.faults import SkipMonitor
@@ -537,6 +538,10 @@ def crash_for_drill(config: JobConfig, rank: int, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+# Writing outputs failed because of the disk or the folder, not a bug: one line, exit code 5.
+OUTPUT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR,
+                 errno.EEXIST}
+
 _COLLECTIVE_FAILURES = ("timed out waiting", "watchdog caught collective operation timeout",
                         "connection closed by peer", "connection reset by peer")
 
@@ -645,6 +650,14 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("%s: %s", e.label, e)
         launch.record_failure(e.label, str(e))  # the launcher prints this line and exits with this code
         return e.exit_code
+    except OSError as e:
+        if e.errno not in OUTPUT_ERRNOS:
+            raise
+        out = OutputError(f"cannot write {e.filename or 'the dump folder'}: {e.strerror}; free space or "
+                          f"choose a writable job.dump_folder")
+        logger.error("%s: %s", out.label, out)
+        launch.record_failure(out.label, str(out))
+        return out.exit_code
     except Exception as e:
         note = collective_failure_note(e, trainer)
         if note is not None:
