@@ -12,7 +12,12 @@ Here:
 - a bug (any other exception) keeps its traceback (torchrun's ``record`` writes it to the error file, the
   worker prints it) and the launcher names the log;
 - torchrun's own log lines and its full failure report go to ``<dump_folder>/launcher/<host>.log``, which
-  every failure line names.
+  every failure line names;
+- node 0's launcher holds the dump folder's run lock (trainer/runlock.py) for the whole job, torchrun's
+  restarts included: a second launch into the same folder ends at once with one line and exit code 6;
+- a dump folder it cannot write ends with one line and exit code 5;
+- SIGTERM/SIGINT: torchrun forwards the signal, the workers save and exit (trainer/preemption.py), and the
+  launcher prints their line and exits with 128 + the signal's number.
 """
 
 from __future__ import annotations

@@ -193,8 +193,8 @@ def move_aside(path: Path, reason: str) -> Path:
         dest, n = dest_dir / f"{path.name}.{stamp}.{n}", n + 1
     os.rename(path, dest)
     fsync_dir(path.parent)
-    logger.warning("%s is not a checkpoint this trainer committed (%s): moved aside to %s, not deleted",
-                   path, reason, dest)
+    logger.warning("%s is in the way of a save and is not a complete checkpoint of this trainer (%s): moved "
+                   "aside to %s, not deleted", path, reason, dest)
     return dest
 
 
@@ -284,7 +284,8 @@ def commit(tmp: Path, final: Path, marker: dict, sums: dict | None = None, algo:
     size and checksum in the marker (written last), then rename. ``sums`` holds the checksums computed
     while the ranks wrote; files not in it (rank 0's small files) are hashed here. A checkpoint of the same
     step already there is replaced (moved aside first, so that one of them is always complete); a folder
-    there that is not ours is moved into ``moved-aside/`` instead."""
+    there that is not ours, or ours but damaged (it may still hold intact weights), is moved into
+    ``moved-aside/`` instead of being deleted."""
     sums = sums or {}
     files: dict[str, dict] = {}
     for p in sorted(tmp.iterdir()):
@@ -311,9 +312,9 @@ def commit(tmp: Path, final: Path, marker: dict, sums: dict | None = None, algo:
     fsync_dir(tmp)
     old = None
     if final.exists():  # the same step saved again (e.g. a resumed run passing it once more)
-        _, reason, old_marker = validate_checkpoint(final)
+        status, reason, old_marker = validate_checkpoint(final)
         extra = foreign_files(final, old_marker) if old_marker and final.is_dir() else []
-        if not old_marker or extra:
+        if status != "complete" or extra:
             move_aside(final, reason or f"files its commit marker does not list: {', '.join(extra[:5])}")
         else:
             old = final.with_name(final.name + OLD_SUFFIX)
