@@ -49,7 +49,8 @@ class Data:
     max_skipped_fraction: float = 0.01
     """Stop the run (data error, exit 4) when more than this fraction of the documents read so far were
     skipped (malformed, empty, undecodable, missing data.text_field); checked on log steps once 100
-    documents were read. 1.0: never stop. The counts are in metrics.jsonl, summary.json and the console."""
+    documents were read, naming the file and line of the last one. 1.0: never stop. The counts are in
+    metrics.jsonl, summary.json and the console."""
     max_document_tokens: int = 0
     """Cut documents to this many tokens (separator not counted) and count them as truncated; 0: never."""
     long_document_windows: int = 64

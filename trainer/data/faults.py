@@ -10,6 +10,7 @@ a :class:`DataError` naming the sources and the kinds.
 
 from __future__ import annotations
 
+import gzip
 import logging
 
 import torch
@@ -21,6 +22,24 @@ logger = logging.getLogger("trainer")
 
 KINDS = ("malformed", "empty", "undecodable", "missing_field")
 MIN_DOCUMENTS = 100
+
+
+def location(where: dict | None) -> str:
+    """``file:line`` of a skipped document (line sources: the line counted up to its byte offset), else
+    ``file row N``; "" when unknown."""
+    if not where:
+        return ""
+    path, at = where.get("file", "?"), int(where.get("at", 0))
+    if not where.get("bytes"):
+        return f"{path} row {at}"
+    try:
+        opener = gzip.open if str(path).lower().endswith(".gz") else open
+        with opener(path, "rb") as f:
+            head = f.read(at)
+        line = head.count(b"\n") + 1
+        return f"{path}:{line}"
+    except OSError:
+        return f"{path} at byte {at}"
 
 
 class SkipMonitor:
@@ -53,7 +72,9 @@ class SkipMonitor:
         if skipped + used >= MIN_DOCUMENTS and fraction > self.max_fraction:
             hint = (f"; is the text under another key than data.text_field={self.text_field!r}?"
                     if counts["missing_field"] else "")
+            where = location(stats.get("last_skipped"))
             raise DataError(f"{skipped} of {skipped + used} documents read were skipped ({fraction:.1%} > "
-                            f"data.max_skipped_fraction={self.max_fraction:g}): {detail} in {sources}{hint}; "
-                            f"`trainer data audit` lists the bad lines")
+                            f"data.max_skipped_fraction={self.max_fraction:g}): {detail} in {sources}"
+                            f"{f'; the last one on this rank: {where}' if where else ''}{hint}; fix the data or "
+                            f"raise data.max_skipped_fraction (`trainer data audit` counts them over all data)")
         return {"data_skipped": counts, "data_skipped_fraction": fraction} if skipped else {}

@@ -100,6 +100,12 @@ class DocumentReader:
         self._block = None
         self._order_epoch: int | None = None
 
+    def where(self) -> dict:
+        """Where the document last returned is: its file and byte offset (line sources) or row."""
+        unit, coord = getattr(self, "last", (None, 0))
+        name = self.source.units[unit] if unit is not None and unit < len(self.source.units) else self.source.label
+        return {"file": str(name), "at": int(coord), "bytes": bool(self.source.coords_are_bytes)}
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "unit_pos": self.unit_pos, "block_start": self.block_start,
                 "block_index": self.block_index, "epoch_docs": self.epoch_docs}
@@ -158,6 +164,7 @@ class DocumentReader:
                 self.block_index += 1
                 self.epoch_docs += 1
                 unit = self._block_unit
+                self.last = (unit, coord)
                 return (self.source.uid(unit, coord, self.shard),
                         self.source.load(unit, coord, next_coord, payload))
             # Block used up: the next block of this part, else the next unit, else the next epoch.
@@ -228,6 +235,7 @@ class DocumentTokenizer:
                 if count:
                     missing = status == MALFORMED and obj is MISSING_FIELD
                     stats["skipped_missing_field" if missing else _SKIP_KEY[status]] += 1
+                    stats["last_skipped"] = self.reader.where()
                 if self.reader.epoch >= first_epoch + 2:
                     raise DataError(
                         f"{self.reader.source.spec.key} ({self.reader.source.label}): shard {self.reader.shard} "
@@ -295,6 +303,8 @@ class Packer:
     def _restore(self) -> None:
         sd, self._pending = self._pending, None
         self.docs.stats = {k: int(sd["stats"].get(k, 0)) for k in STAT_KEYS}
+        if sd["stats"].get("last_skipped"):  # where the last skipped document was (for the error message)
+            self.docs.stats["last_skipped"] = dict(sd["stats"]["last_skipped"])
         self.sequences = int(sd["sequences"])
         self.docs.reader.load_state_dict(sd["reader"])
         if sd["has_doc"]:
