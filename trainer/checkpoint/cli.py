@@ -56,9 +56,11 @@ def _print_rows(folder: Path, rows: list[dict[str, Any]]) -> None:
         print(line)
     latest = [r for r in rows if r["status"] == "complete"]
     full = [r for r in latest if r["kind"] == "full"]
-    if not latest:
+    if not latest and any(not r["name"].endswith((".tmp", ".replaced")) for r in rows):
+        print("no complete checkpoint: a run stops (exit 3) unless checkpoint.start_fresh_if_unloadable = true")
+    elif not latest:
         print("no complete checkpoint: a run would start from scratch")
-    elif latest[-1]["kind"] == "full" or not full:
+    elif latest[-1]["kind"] == "full" or not full or full[-1]["step"] == latest[-1]["step"]:
         print(f"a run with this dump folder resumes from step {latest[-1]['step']}")
     else:
         print(f"step {latest[-1]['step']} holds only weights ({latest[-1]['kind']}): a run with this dump folder "
