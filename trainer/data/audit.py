@@ -117,7 +117,7 @@ def format_table(report: dict) -> str:
         ("skipped: empty", f"{report['skipped_empty']:,}"),
         ("skipped: malformed", f"{report['skipped_malformed']:,}"),
         ("skipped: undecodable", f"{report['skipped_undecodable']:,}"),
-        ("skipped: missing text_field", f"{report['skipped_missing_field']:,}"),
+        ("  of which no text_field", f"{report['skipped_missing_field']:,}"),
         ("long documents", f"{report['long_documents']:,}"),
         ("truncated documents", f"{report['truncated_documents']:,}"),
         ("epochs completed (slowest shard)", str(report["epochs_completed"])),

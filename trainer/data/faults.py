@@ -61,6 +61,7 @@ class SkipMonitor:
         if self.dp > 1:
             dist.all_reduce(t, group=self.group)  # a CPU tensor: gloo
         counts = dict(zip(KINDS, (int(v) for v in t[:-1])))
+        counts["malformed"] -= counts["missing_field"]  # the loader counts missing fields among the malformed
         skipped, used = sum(counts.values()), int(t[-1])
         fraction = skipped / max(skipped + used, 1)
         sources = ", ".join(s["source"] for s in stats.get("sources", [])) or "the training data"

@@ -32,7 +32,7 @@ STAT_KEYS = (
     "skipped_empty",
     "skipped_malformed",
     "skipped_undecodable",
-    "skipped_missing_field",  # a JSON line without data.text_field (counted as malformed by audit/prepare)
+    "skipped_missing_field",  # of skipped_malformed: JSON lines without data.text_field (text sources only)
     "long_documents",  # longer than data.long_document_windows windows (still used)
     "truncated_documents",  # cut to data.max_document_tokens
     "stripped_separators",  # BOS/EOS the tokenizer itself added, removed before adding the one separator
@@ -233,8 +233,9 @@ class DocumentTokenizer:
                     status = EMPTY
             if status != OK:
                 if count:
-                    missing = status == MALFORMED and obj is MISSING_FIELD
-                    stats["skipped_missing_field" if missing else _SKIP_KEY[status]] += 1
+                    stats[_SKIP_KEY[status]] += 1
+                    if status == MALFORMED and obj is MISSING_FIELD:
+                        stats["skipped_missing_field"] += 1
                     stats["last_skipped"] = self.reader.where()
                 if self.reader.epoch >= first_epoch + 2:
                     raise DataError(
@@ -243,7 +244,7 @@ class DocumentTokenizer:
                         f"malformed {stats['skipped_malformed']}, undecodable {stats['skipped_undecodable']})"
                         # Malformed JSON-lines or columns usually mean the text is under another name.
                         + (f"; is the text under another field than {self.reader.source.opts.text_field!r} "
-                           "(data.text_field)?" if stats["skipped_malformed"] or stats["skipped_missing_field"] else "")
+                           "(data.text_field)?" if stats["skipped_malformed"] else "")
                     )
                 continue
             if plan.max_document_tokens and len(ids) > plan.max_document_tokens:
