@@ -124,3 +124,41 @@ def test_signal_sets_flag_and_agreement_waits_for_check_step():
     finally:
         handler.restore()
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_skipped_documents_counted_by_kind_resumed_exactly_and_stop_names_file_and_line(tmp_path):
+    from trainer.data import build_train_loader
+    from trainer.data.faults import SkipMonitor
+    from trainer.data.testing import ByteTokenizer, make_config, synthetic_texts
+    from trainer.errors import DataError
+
+    path = tmp_path / "c.jsonl"
+    good = [json.dumps({"text": t}) for t in synthetic_texts(150, seed=3)]
+    bad = ['{"txt": "no text field"}', "", "not json", '{"text": "\\ud800 lone surrogate"}']
+    lines = good[:40] + bad + good[40:]
+    path.write_text("\n".join(lines) + "\n")
+
+    def loader(**kw):
+        config = make_config(**{"data.sources": [f"jsonl:{path}"], "training.seq_len": 16,
+                                "training.local_batch_size": 4, "data.num_shards": 1, "data.shuffle": False, **kw})
+        return config, build_train_loader(config, ByteTokenizer(), dp_rank=0, dp_world_size=1)
+
+    config, first = loader(**{"data.max_skipped_fraction": 1.0})
+    monitor = SkipMonitor(first, config, None, 1)
+    while first.stats["documents"] < 120:
+        next(first)
+    record = monitor.record(is_logging_rank=True)
+    assert record["data_skipped"] == {"malformed": 1, "empty": 1, "undecodable": 1, "missing_field": 1}
+    # The counters are loader state: a resumed loader continues them exactly.
+    config, resumed = loader(**{"data.max_skipped_fraction": 1.0})
+    resumed.load_state_dict(first.state_dict())
+    for _ in range(3):
+        next(first), next(resumed)
+    assert {k: v for k, v in resumed.stats.items() if k.startswith("skipped")} == \
+        {k: v for k, v in first.stats.items() if k.startswith("skipped")}
+    # Above data.max_skipped_fraction: a DataError naming the file and the line of the last one.
+    config, strict = loader(**{"data.max_skipped_fraction": 0.01})
+    while strict.stats["documents"] < 120:
+        next(strict)
+    with pytest.raises(DataError, match=rf"{path}:44.*data.text_field='text'"):
+        SkipMonitor(strict, config, None, 1).record(is_logging_rank=True)
