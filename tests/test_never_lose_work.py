@@ -204,3 +204,18 @@ def test_train_10_then_continue_to_20(straight, tmp_path):
     assert (dump / "checkpoint" / "final-step-20").is_dir() and (dump / "checkpoint" / "step-20").is_dir()
     got, want = losses(dump), losses(straight)
     assert [got[s] for s in range(1, STEPS + 1)] == [want[s] for s in range(1, STEPS + 1)]
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_disk_full_under_dump_folder(tmp_path):
+    """metrics.jsonl on a full device (/dev/full): one line, exit code 5, summary.json written."""
+    dump = tmp_path / "run"
+    dump.mkdir()
+    (dump / "metrics.jsonl").symlink_to("/dev/full")
+    proc = run_train(dump, *TINY, "--training.steps", "3", "--checkpoint.enable", "false", nproc=1, check=False,
+                     fast=False)
+    log = output(proc)
+    assert proc.returncode == 5, log[-3000:]
+    assert "output error: cannot write the dump folder" in proc.stderr and "Traceback" not in log
+    summary = json.loads((dump / "summary.json").read_text())
+    assert summary["status"] == "failed" and "No space left" in summary["error"]

@@ -653,8 +653,8 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         if e.errno not in OUTPUT_ERRNOS:
             raise
-        out = OutputError(f"cannot write {e.filename or 'the dump folder'}: {e.strerror}; free space or "
-                          f"choose a writable job.dump_folder")
+        where = e.filename or (f"the dump folder {trainer.dump_folder}" if trainer else "the dump folder")
+        out = OutputError(f"cannot write {where}: {e.strerror}; free space or choose a writable job.dump_folder")
         logger.error("%s: %s", out.label, out)
         launch.record_failure(out.label, str(out))
         return out.exit_code
