@@ -330,9 +330,11 @@ class Loader:
         if not model_only:
             self._load_first([chosen], explicit=True)
             return
-        _, error = attempt(f"loading {chosen.path}", self._load_checkpoint, chosen.path, chosen.marker,
-                           model_only=True, exclude=set(), restore_train_state=False)
-        reasons = self.comm.agree(error)
+        reasons = self.comm.agree(self._verify(chosen))  # checksums first: nothing read from a damaged one
+        if not reasons:
+            _, error = attempt(f"loading {chosen.path}", self._load_checkpoint, chosen.path, chosen.marker,
+                               model_only=True, exclude=set(), restore_train_state=False)
+            reasons = self.comm.agree(error)
         if reasons:
             raise CheckpointError(f"checkpoint.initial_load_path {chosen.path} could not be loaded: "
                                   + " | ".join(reasons))
