@@ -55,18 +55,19 @@ def test_checksums_streamed_while_writing_match_the_files(tmp_path, algo):
     assert integrity.verify_files(tmp_path / "step-1", marker, [".metadata"]) == ".metadata is missing"
 
 
-def test_verify_command_exit_codes(tmp_path):
+def test_verify_command_exit_codes(tmp_path, capsys):
+    from trainer.checkpoint.cli import main as checkpoint_main
+
     sums = _dcp_save(tmp_path / "ckpt" / "step-2.tmp", "sha256")
     commit(tmp_path / "ckpt" / "step-2.tmp", tmp_path / "ckpt" / "step-2", {"format": 1, "step": 2, "kind": "full"},
            sums, "sha256")
-    cmd = [sys.executable, "-m", "trainer.cli", "checkpoint", "verify", str(tmp_path / "ckpt")]
-    ok = subprocess.run(cmd, capture_output=True, text=True)
-    assert ok.returncode == 0 and "sha256 checksums match" in ok.stdout, ok.stdout + ok.stderr
+    assert checkpoint_main(["verify", str(tmp_path / "ckpt")]) == 0
+    assert "sha256 checksums match" in capsys.readouterr().out
     victim = tmp_path / "ckpt" / "step-2" / sorted(sums)[0]
     data = victim.read_bytes()
     victim.write_bytes(data[:-1] + bytes([data[-1] ^ 0x80]))
-    bad = subprocess.run(cmd, capture_output=True, text=True)
-    assert bad.returncode == 3 and f"{victim.name} fails its sha256 checksum" in bad.stdout
+    assert checkpoint_main(["verify", str(tmp_path / "ckpt")]) == 3
+    assert f"{victim.name} fails its sha256 checksum" in capsys.readouterr().out
 
 
 def test_foreign_folder_moved_aside_not_deleted(tmp_path):
