@@ -102,6 +102,9 @@ def test_bit_flip_in_newest_checkpoint(straight, tmp_path):
     log = output(proc)
     assert "step-20 could not be loaded (CORRUPT: step-20/__1_0.distcp" in log, log[-3000:]
     assert "step-15 loaded" in log
+    # The damaged step-20 and the earlier final export were moved aside when step 20 was saved again.
+    kept = sorted(p.name.split(".")[0] for p in (dump / "checkpoint" / "moved-aside").iterdir())
+    assert kept == ["final-step-20", "step-20"]
     got, want = losses(dump), losses(straight)
     assert [got[s] for s in range(16, STEPS + 1)] == [want[s] for s in range(16, STEPS + 1)]
 

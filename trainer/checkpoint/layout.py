@@ -34,7 +34,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer.checkpoint.integrity import file_checksum, file_entry
+from trainer.checkpoint.integrity import file_checksum, file_entry, verify_files
 from trainer.errors import CheckpointError
 
 logger = logging.getLogger("trainer")
@@ -193,8 +193,7 @@ def move_aside(path: Path, reason: str) -> Path:
         dest, n = dest_dir / f"{path.name}.{stamp}.{n}", n + 1
     os.rename(path, dest)
     fsync_dir(path.parent)
-    logger.warning("%s is in the way of a save and is not a complete checkpoint of this trainer (%s): moved "
-                   "aside to %s, not deleted", path, reason, dest)
+    logger.warning("%s is in the way of a save (%s): moved aside to %s, not deleted", path, reason, dest)
     return dest
 
 
@@ -284,8 +283,8 @@ def commit(tmp: Path, final: Path, marker: dict, sums: dict | None = None, algo:
     size and checksum in the marker (written last), then rename. ``sums`` holds the checksums computed
     while the ranks wrote; files not in it (rank 0's small files) are hashed here. A checkpoint of the same
     step already there is replaced (moved aside first, so that one of them is always complete); a folder
-    there that is not ours, or ours but damaged (it may still hold intact weights), is moved into
-    ``moved-aside/`` instead of being deleted."""
+    there that is not ours, ours but damaged (it may still hold intact weights), or an earlier final
+    export is moved into ``moved-aside/`` instead of being deleted."""
     sums = sums or {}
     files: dict[str, dict] = {}
     for p in sorted(tmp.iterdir()):
@@ -314,7 +313,11 @@ def commit(tmp: Path, final: Path, marker: dict, sums: dict | None = None, algo:
     if final.exists():  # the same step saved again (e.g. a resumed run passing it once more)
         status, reason, old_marker = validate_checkpoint(final)
         extra = foreign_files(final, old_marker) if old_marker and final.is_dir() else []
-        if status != "complete" or extra:
+        if status == "complete" and not extra:
+            reason = verify_files(final, old_marker)  # damaged content: kept as evidence, not deleted
+            if reason is None and is_final(final.name):
+                reason = "an earlier run's final export"
+        if status != "complete" or extra or reason:
             move_aside(final, reason or f"files its commit marker does not list: {', '.join(extra[:5])}")
         else:
             old = final.with_name(final.name + OLD_SUFFIX)
