@@ -14,6 +14,7 @@ whose checkpoints you care about: a page-cache-hot file on tmpfs measures the ha
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -67,12 +68,11 @@ def _save(state: dict, folder: Path, algo: str) -> None:
     commit(tmp, folder / "step-1", {"format": 1, "step": 1, "kind": "full"}, sums, algo)
 
 
-def run(mb: int, repeats: int, folder: Path) -> list[tuple[str, str, str]]:
+def _hash_rows(mb: int, repeats: int, folder: Path, algos: list[str]) -> list[tuple[str, str, str]]:
     rows: list[tuple[str, str, str]] = []
     data = os.urandom(mb << 20)
     path = folder / "blob.bin"
     path.write_bytes(data)
-    algos = [a for a in ("xxh3_128", "sha256") if integrity.available(a)]
     for algo in algos:
         def in_memory(algo=algo):
             h = integrity.new_hasher(algo)
@@ -84,7 +84,12 @@ def run(mb: int, repeats: int, folder: Path) -> list[tuple[str, str, str]]:
         t = _median_time(lambda algo=algo: integrity.file_checksum(path, algo), repeats)
         rows.append((f"read + hash {mb} MiB file", algo, f"{mb / t:,.0f} MiB/s"))
     path.unlink()
-    del data
+    return rows
+
+
+def run(mb: int, repeats: int, folder: Path) -> list[tuple[str, str, str]]:
+    algos = [a for a in ("xxh3_128", "sha256") if integrity.available(a)]
+    rows = _hash_rows(mb, repeats, folder, algos)
     state = _debug_state()
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     ckpt = folder / "ckpt"
@@ -94,8 +99,6 @@ def run(mb: int, repeats: int, folder: Path) -> list[tuple[str, str, str]]:
     for algo in algos:
         t = _median_time(lambda algo=algo: _save(state, ckpt, algo), repeats)
         rows.append(("DCP save, hashed while writing", algo, f"{t * 1e3:.0f} ms ({(t - base) * 1e3:+.0f} ms)"))
-        import json
-
         marker = json.loads((ckpt / "step-1" / "checkpoint.json").read_text())
         t = _median_time(lambda marker=marker: integrity.verify_files(ckpt / "step-1", marker), repeats)
         rows.append(("verify before loading (1 rank)", algo, f"{t * 1e3:.0f} ms"))
