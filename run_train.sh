@@ -71,6 +71,11 @@ else
     TORCHRUN_ARGS+=(--standalone)
 fi
 
+# Preemption (SIGTERM from Slurm/PBS, Ctrl-C): torchrun forwards the signal to the workers, which finish
+# their step, save a checkpoint and exit (128 + signal); torchrun kills workers still running after this
+# many seconds. Ask the scheduler for the signal earlier than that before its kill (#SBATCH --signal=TERM@120).
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-110}
+
 # Restarts: with torchrun's c10d rendezvous sharing its store with the workers (the default), a restarted
 # attempt can read the previous attempt's connection keys and fail to connect (pytorch/pytorch#135712);
 # a fresh store per attempt avoids that.

@@ -77,19 +77,22 @@ def test_exact_resume_sync(straight, tmp_path):
 
 def test_exact_resume_async(straight, tmp_path):
     """Asynchronous saves (slowed down so several steps run while one is written) with the default
-    model-only final save: the extended run resumes from the asynchronous step-5, bitwise."""
+    model-only final export: with the last step's full save gone, the extended run resumes from the
+    asynchronous step-5, bitwise."""
     args = [*COMMON, *CKPT, *batch(1), "--checkpoint.async_mode", "async", "--checkpoint.drill_save_delay_s", "1"]
     first = run_train(tmp_path, *args, "--training.steps", "10")
     saved = re.search(r"checkpoint step-5 saved: .* in ([0-9.]+) s \(training blocked ([0-9.]+) s\)", output(first))
     assert saved, output(first)[-3000:]
     total, blocked = map(float, saved.groups())
     assert total >= 1.0 > blocked  # written in the background while training went on
+    shutil.rmtree(tmp_path / "checkpoint" / "step-10")  # leaves final-step-10 (weights only) and step-5
     proc = run_train(tmp_path, *args, "--training.steps", str(STEPS))
     log = output(proc)
     assert "holds only model weights" in log and "step-5 loaded" in log
     assert_same(straight, records(tmp_path), range(1, STEPS + 1))
-    kinds = {c.step: c.kind for c in scan_folder(tmp_path / "checkpoint")}
-    assert kinds == {5: "full", 10: "full", 15: "full", 20: "model_only"}
+    kinds = {c.path.name: c.kind for c in scan_folder(tmp_path / "checkpoint")}
+    assert kinds == {"step-5": "full", "step-10": "full", "final-step-10": "model_only", "step-15": "full",
+                     "step-20": "full", "final-step-20": "model_only"}
 
 
 def spawn_train(dump: Path, *args: str, nproc: int, log: Path) -> subprocess.Popen:
@@ -154,7 +157,8 @@ def test_kill_during_save(straight, tmp_path):
     restart = run_train(tmp_path, *args, nproc=2)
     log = output(restart)
     assert "step-10.tmp is incomplete" in log and "step-5 loaded" in log
-    assert [c.path.name for c in scan_folder(tmp_path / "checkpoint")] == ["step-5", "step-10", "step-15", "step-20"]
+    assert [c.path.name for c in scan_folder(tmp_path / "checkpoint")] == ["step-5", "step-10", "step-15", "step-20",
+                                                                           "final-step-20"]
     assert_same(straight, records(tmp_path), range(1, STEPS + 1), rel=1e-5)
 
 

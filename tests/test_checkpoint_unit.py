@@ -177,12 +177,16 @@ def test_keep_latest_k_and_model_only_export(tmp_path, mp):
                     "--checkpoint.export_dtype", "bfloat16", monkeypatch=mp)
     assert rc == 0, log
     infos = scan_folder(dump / "checkpoint")
-    assert [(c.step, c.kind) for c in infos] == [(4, "full"), (5, "model_only")]
-    assert infos[1].marker["dtype"] == "bfloat16" and infos[1].marker["bytes"] < infos[0].marker["bytes"] / 4
-    # Extending the run: the export has no optimizer state, so it resumes from step 4 and says so.
+    # The last step's save is full; the model-only export is an addition under its own name.
+    assert [(c.path.name, c.kind) for c in infos] == [("step-4", "full"), ("step-5", "full"),
+                                                      ("final-step-5", "model_only")]
+    assert infos[2].marker["dtype"] == "bfloat16" and infos[2].marker["bytes"] < infos[1].marker["bytes"] / 4
+    # Extending the run resumes exactly from the full step-5; the earlier export stays.
     rc, log = train(dump, "--training.steps", "6", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "2",
                     monkeypatch=mp)
-    assert rc == 0 and "holds only model weights" in log and "step-4 loaded" in log, log
+    assert rc == 0 and "step-5 loaded" in log, log
+    assert [c.path.name for c in scan_folder(dump / "checkpoint")] == ["step-5", "final-step-5", "step-6",
+                                                                       "final-step-6"]
     # Running the finished command again: nothing to train.
     rc, log = train(dump, "--training.steps", "6", "--checkpoint.interval", "1", monkeypatch=mp)
     assert rc == 0 and "nothing to train" in log, log
@@ -236,7 +240,7 @@ def test_failed_save_counted_then_run_continues(tmp_path, mp):
     assert rc == 0, log
     recs = losses(dump)
     assert recs[1]["checkpoint_failures"] == 0 and recs[6]["checkpoint_failures"] == 1
-    assert [c.step for c in scan_folder(dump / "checkpoint")] == [4, 6]
+    assert [c.path.name for c in scan_folder(dump / "checkpoint")] == ["step-4", "step-6", "final-step-6"]
 
 
 def test_short_disk_refuses_the_save(tmp_path, mp):

@@ -34,7 +34,7 @@ def trained(tmp_path_factory):
 def test_export_real_checkpoint_then_continue_from_hf(trained):
     tmp, dump = trained
     step_dir = find_checkpoint(dump)
-    assert step_dir.name == "step-2"
+    assert step_dir.name == "final-step-2"  # the final export, next to the full step-2
     hf = tmp / "hf"
     assert export_main(["--checkpoint", str(dump), "--output", str(hf), "--dtype", "fp32"]) == 0
 

@@ -9,7 +9,10 @@ imports nothing, so every layer can raise these without import cycles.
 | 1    | a bug (an unexpected exception; traceback printed) |
 | 2    | ConfigError: a configuration or command-line mistake |
 | 3    | CheckpointError / StopTraining: a checkpoint that cannot be saved or loaded; a guard stopped the run |
-| 4    | DataError: data that cannot be trained on |
+| 4    | DataError: data that cannot be trained on; too many skipped documents (data.max_skipped_fraction) |
+| 5    | OutputError: the dump folder cannot be written (disk full, read-only, a file where a folder should be) |
+| 6    | another live run holds the dump folder (its run.lock; trainer/runlock.py) |
+| 128+N | stopped by signal N after saving a checkpoint (143: SIGTERM, 130: SIGINT; trainer/preemption.py) |
 """
 
 from __future__ import annotations
@@ -48,6 +51,13 @@ class DataError(TrainerError, RuntimeError):
 
     exit_code = 4
     label = "data error"
+
+
+class OutputError(TrainerError, OSError):
+    """The run's outputs (dump folder: metrics, config, summary) cannot be written."""
+
+    exit_code = 5
+    label = "output error"
 
 
 class DataStateError(DataError, ValueError):

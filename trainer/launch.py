@@ -12,7 +12,12 @@ Here:
 - a bug (any other exception) keeps its traceback (torchrun's ``record`` writes it to the error file, the
   worker prints it) and the launcher names the log;
 - torchrun's own log lines and its full failure report go to ``<dump_folder>/launcher/<host>.log``, which
-  every failure line names.
+  every failure line names;
+- node 0's launcher holds the dump folder's run lock (trainer/runlock.py) for the whole job, torchrun's
+  restarts included: a second launch into the same folder ends at once with one line and exit code 6;
+- a dump folder it cannot write ends with one line and exit code 5;
+- SIGTERM/SIGINT: torchrun forwards the signal, the workers save and exit (trainer/preemption.py), and the
+  launcher prints their line and exits with 128 + the signal's number.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import os
 import socket
 import sys
 import time
+from pathlib import Path
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 
@@ -40,13 +46,35 @@ def record_failure(label: str, message: str) -> None:
         pass  # the console line was printed already; the report just lacks it
 
 
-def _dump_folder(trainer_argv: list[str]) -> str:
+def _job(trainer_argv: list[str]) -> tuple[str, int]:
+    """(job.dump_folder, job.lock_stale_after_s) of the trainer's command line."""
     try:
         from trainer.config import load_config
 
-        return load_config(trainer_argv).job.dump_folder
+        job = load_config(trainer_argv).job
+        return job.dump_folder, job.lock_stale_after_s
     except Exception:  # the pre-flight has validated the config; this is only where the log goes
-        return "./outputs"
+        return "./outputs", 300
+
+
+def _take_lock(dump_folder: str, stale_after_s: int, node_rank: int):
+    """Node 0's launcher holds the dump folder's run lock for the whole job (torchrun restarts included)."""
+    from trainer.runlock import ENV, RunLock
+
+    if stale_after_s <= 0 or node_rank != 0:
+        return None
+    lock = RunLock(Path(dump_folder), stale_after_s).acquire()
+    os.environ[ENV] = str(lock.path)  # the workers inherit it: held already
+    return lock
+
+
+def _summary_error(dump_folder: str) -> str | None:
+    """The error line of the run's summary.json (e.g. a preemption's), if rank 0 wrote one."""
+    try:
+        s = json.loads((Path(dump_folder) / "summary.json").read_text())
+        return s.get("error") if s.get("status") == "preempted" else None
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _log_file(dump_folder: str) -> str:
@@ -85,7 +113,20 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import parse_args, run
 
     args = parse_args(argv)
-    log_path = _log_file(_dump_folder(list(args.training_script_args)))
+    dump_folder, stale_after_s = _job(list(args.training_script_args))
+    from trainer.errors import TrainerError
+
+    lock = None
+    try:
+        log_path = _log_file(dump_folder)
+        lock = _take_lock(dump_folder, stale_after_s, int(getattr(args, "node_rank", 0) or 0))
+    except TrainerError as e:
+        print(f"{e.label}: {e}", file=sys.stderr)
+        return e.exit_code
+    except OSError as e:
+        print(f"output error: cannot write to job.dump_folder {dump_folder}: {e.strerror or e}; choose a writable "
+              f"folder", file=sys.stderr)
+        return 5
     try:
         run(args)
     except ChildFailedError as e:
@@ -95,8 +136,13 @@ def main(argv: list[str] | None = None) -> int:
         print(line, file=sys.stderr)
         return code
     except SignalException as e:  # SIGTERM/SIGINT to the launcher: the workers were stopped
-        print(f"stopped by signal {e.sigval.name}; torchrun's log: {log_path}", file=sys.stderr)
+        saved = _summary_error(dump_folder)
+        print(f"stopped by signal {e.sigval.name}" + (f": {saved}" if saved else "") +
+              f"; torchrun's log: {log_path}", file=sys.stderr)
         return 128 + int(e.sigval)
+    finally:
+        if lock is not None:
+            lock.release()
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import gc
 import json
 import logging
@@ -26,13 +27,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from trainer import compat, launch, logs, observability
+from trainer import compat, launch, logs, observability, preemption, runlock
 from trainer.callbacks import CallbackList, RunView, build_callbacks
 from trainer.checkpoint import CheckpointManager, TrainState
 from trainer.config import JobConfig, help_text, load_config, to_toml, validate
-from trainer.errors import TrainerError
+from trainer.errors import OutputError, TrainerError
 from trainer.data import build_train_loader, build_val_loader
 from trainer.data.checks import grad_accum_steps
+from trainer.data.faults import SkipMonitor
 from trainer.data.tokenizer import load_tokenizer
 from trainer.fingerprint import sequence_fingerprint, wrap_int64
 from trainer.metrics import MetricsWriter, Throughput, console_line, format_eta, memory_gib, peak_tflops, use_color
@@ -87,6 +89,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(config)
         self.train_loader = build_train_loader(config, self.tokenizer, dp_rank=self.dp_rank,
                                                dp_world_size=self.dims.dp)
+        self.skip_monitor = SkipMonitor(self.train_loader, config, self.dims.dp_mesh.get_group(), self.dims.dp)
         self.val_loader = (build_val_loader(config, self.tokenizer, dp_rank=self.dp_rank, dp_world_size=self.dims.dp)
                            if config.validation.enable else None)
 
@@ -357,6 +360,7 @@ class Trainer:
             record["skip_reason"] = out["skip_reason"]
         record.update(self.callbacks.metrics(self.run_view, step))
         record.update(self.checkpointer.metrics())
+        record.update(self.skip_monitor.record(self.is_logging_rank))  # may stop: data.max_skipped_fraction
         if self.val_loader is not None and step % self.config.validation.freq == 0:
             record["validation_loss"] = self.validate()
         if self.is_logging_rank:
@@ -445,14 +449,24 @@ class Trainer:
             logger.info("checkpoint is already at step %d of %d: nothing to train", start_step, config.training.steps)
         self.callbacks.on_train_start(self.run_view)
         self.throughput.reset()
+        # SIGTERM/SIGINT: finish the step, agree, save, stop (trainer/preemption.py).
+        stopping = preemption.PreemptionHandler(config.checkpoint.preemption_check_steps, self.checkpointer.comm.pg)
+        stopping.install()
         # Profiler, memory snapshots, hang watchdog; the run summary (summary.json) at the end or on failure.
-        with observability.Observability(self) as obs:
-            for step in range(start_step + 1, config.training.steps + 1):
-                self.run_step(step, obs)
-                if step == start_step + 1:
-                    set_train_timeout(config.comm.train_timeout_seconds)
-            with obs.checkpoint():
-                self.checkpointer.finish()
+        try:
+            with observability.Observability(self) as obs:
+                for step in range(start_step + 1, config.training.steps + 1):
+                    self.run_step(step, obs)
+                    if step == start_step + 1:
+                        set_train_timeout(config.comm.train_timeout_seconds)
+                    signum = stopping.agreed(step) if step < config.training.steps else 0
+                    if signum:
+                        with obs.checkpoint():
+                            preemption.stop(self, step, signum)
+                with obs.checkpoint():
+                    self.checkpointer.finish()
+        finally:
+            stopping.restore()
         self.metrics.close()
 
 
@@ -523,6 +537,10 @@ def crash_for_drill(config: JobConfig, rank: int, step: int) -> None:
         logger.warning("debug.crash_at_step: rank %d kills itself (SIGKILL) before step %d (crash drill)", rank, step)
         os.kill(os.getpid(), signal.SIGKILL)
 
+
+# Writing outputs failed because of the disk or the folder, not a bug: one line, exit code 5.
+OUTPUT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR,
+                 errno.EEXIST}
 
 _COLLECTIVE_FAILURES = ("timed out waiting", "watchdog caught collective operation timeout",
                         "connection closed by peer", "connection reset by peer")
@@ -613,7 +631,9 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(help_text())
         return 0
-    trainer = None
+    trainer = lock = None
+    if "LOCAL_RANK" in os.environ:
+        preemption.die_with_parent()  # no orphan worker when the torchrun agent is killed
     try:
         config = load_config(argv)
         validate(config, int(os.environ.get("WORLD_SIZE", 1)))
@@ -621,6 +641,7 @@ def main(argv: list[str] | None = None) -> int:
         if config.job.dry_run:
             dry_run(config)
             return 0
+        lock = runlock.acquire_in_worker(config.job)  # unless the launcher holds it
         trainer = Trainer(config)
         if trainer.checkpointer.seed_created:
             return 0  # checkpoint.create_seed_checkpoint: step-0 saved, nothing to train
@@ -629,12 +650,22 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("%s: %s", e.label, e)
         launch.record_failure(e.label, str(e))  # the launcher prints this line and exits with this code
         return e.exit_code
+    except OSError as e:
+        if e.errno not in OUTPUT_ERRNOS:
+            raise
+        where = e.filename or (f"the dump folder {trainer.dump_folder}" if trainer else "the dump folder")
+        out = OutputError(f"cannot write {where}: {e.strerror}; free space or choose a writable job.dump_folder")
+        logger.error("%s: %s", out.label, out)
+        launch.record_failure(out.label, str(out))
+        return out.exit_code
     except Exception as e:
         note = collective_failure_note(e, trainer)
         if note is not None:
             logger.error(note)
         raise
     finally:
+        if lock is not None:
+            lock.release()
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0

@@ -96,7 +96,7 @@ def find_checkpoints(folder: Path) -> list[int]:
     """Steps of the complete checkpoints in ``folder``, ascending (the checkpoint layout's own scanner)."""
     from trainer.checkpoint import scan_folder
 
-    return sorted(c.step for c in scan_folder(Path(folder)) if c.complete)
+    return sorted({c.step for c in scan_folder(Path(folder)) if c.complete})  # a step-N and its final-step-N: once
 
 
 def stop_message(config, first_bad: int, last_bad: int, last_reason: str) -> str:

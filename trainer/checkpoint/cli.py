@@ -1,5 +1,6 @@
-"""``trainer checkpoint list|inspect PATH`` (also ``python -m trainer.checkpoint ...``): what a dump folder's
-checkpoints are and hold, from their commit markers and DCP metadata, without a process group."""
+"""``trainer checkpoint list|inspect|verify PATH`` (also ``python -m trainer.checkpoint ...``): what a dump
+folder's checkpoints are and hold, from their commit markers and DCP metadata, without a process group;
+``verify`` re-hashes every file against the checksums in its commit marker (exit 3 on corruption)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint.agree import ERRORS, format_exception
+from trainer.checkpoint.integrity import verify_files
 from trainer.checkpoint.layout import (
     DCP_METADATA,
     MARKER,
@@ -54,9 +56,11 @@ def _print_rows(folder: Path, rows: list[dict[str, Any]]) -> None:
         print(line)
     latest = [r for r in rows if r["status"] == "complete"]
     full = [r for r in latest if r["kind"] == "full"]
-    if not latest:
+    if not latest and any(not r["name"].endswith((".tmp", ".replaced")) for r in rows):
+        print("no complete checkpoint: a run stops (exit 3) unless checkpoint.start_fresh_if_unloadable = true")
+    elif not latest:
         print("no complete checkpoint: a run would start from scratch")
-    elif latest[-1]["kind"] == "full" or not full:
+    elif latest[-1]["kind"] == "full" or not full or full[-1]["step"] == latest[-1]["step"]:
         print(f"a run with this dump folder resumes from step {latest[-1]['step']}")
     else:
         print(f"step {latest[-1]['step']} holds only weights ({latest[-1]['kind']}): a run with this dump folder "
@@ -156,9 +160,39 @@ def _inspect(args) -> int:
     return 0 if out["status"] == "complete" else 1
 
 
+def _verify(args) -> int:
+    """Verify one checkpoint (a step folder) or every checkpoint of a dump/checkpoint folder."""
+    path = Path(args.path)
+    if not path.is_dir():
+        return _error(f"no such folder: {path}")
+    if parse_dirname(path.name) is not None or (path / MARKER).exists() or (path / DCP_METADATA).exists():
+        targets = [path]
+    else:
+        targets = [c.path for c in scan_folder(locate_folder(path)) if not c.leftover]
+        if not targets:
+            return _error(f"no checkpoint under {path}")
+    bad = 0
+    for target in targets:
+        status, reason, marker = validate_checkpoint(target)
+        if status == "complete":
+            algo = marker.get("checksum", "none")
+            problem = verify_files(target, marker)
+            if problem is None:
+                files = len(marker.get("files") or {})
+                how = f"{algo} checksums match" if algo != "none" else "sizes match (no checksums recorded)"
+                print(f"ok       {target}: {files} files, {how}")
+                continue
+            status, reason = "corrupt", problem
+        bad += 1
+        print(f"{status.upper():<8} {target}: {reason}")
+    if bad:
+        print(f"{bad} of {len(targets)} checkpoint(s) failed verification", file=sys.stderr)
+    return 3 if bad else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """``trainer checkpoint list PATH`` / ``trainer checkpoint inspect PATH``; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="trainer checkpoint", description="List and inspect checkpoints.")
+    parser = argparse.ArgumentParser(prog="trainer checkpoint", description="List, inspect and verify checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("list", help="the checkpoints of a dump folder or checkpoint folder")
     p.add_argument("path", help="a job.dump_folder or its checkpoint folder")
@@ -167,9 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("path", help="a step-N folder (or a dump folder: its latest complete checkpoint)")
     p.add_argument("--keys", action="store_true", help="list every entry with its shape and dtype")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = sub.add_parser("verify", help="re-hash checkpoint files against their recorded checksums (exit 3 if bad)")
+    p.add_argument("path", help="a step-N folder, or a dump/checkpoint folder (every checkpoint in it)")
     args = parser.parse_args(argv)
     try:
-        return _list(args) if args.command == "list" else _inspect(args)
+        return {"list": _list, "inspect": _inspect, "verify": _verify}[args.command](args)
     except BrokenPipeError:  # pragma: no cover - e.g. piped into head
         return 0
 

@@ -9,9 +9,16 @@ Under ``<job.dump_folder>/<checkpoint.folder>/``::
         checkpoint.json       the commit marker, written last: step, tokens, kind, files and their sizes
     step-60.tmp/              a save in progress, or one interrupted by a crash (ignored, removed on start)
     step-60.replaced/         the previous step-60 while a save of the same step replaces it
+    final-step-80/            the final model-only save (checkpoint.last_save_model_only), next to the full
+                              step-80 of the same step; a longer run later adds its own final-step-N
+    moved-aside/              folders that were in the way of a save but are not ours (no or partial commit
+                              marker, or files the marker does not list): moved here, never deleted
+
+The marker records every file with its size and checksum (see :mod:`trainer.checkpoint.integrity`).
 
 A folder is complete only when its marker is readable and every file it lists is present with its
-recorded size. Every place that lists or validates checkpoint folders (the manager, the command line,
+recorded size (checksums are verified when a checkpoint is loaded or by ``trainer checkpoint verify``).
+Every place that lists or validates checkpoint folders (the manager, the command line,
 the offline readers of ``trainer export/eval/generate``, the stability guard) goes through
 :func:`scan_folder` / :func:`inspect_checkpoint`, so there is one naming rule and one notion of
 "complete". Nothing here needs a process group.
@@ -21,13 +28,17 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import logging
 import os
 import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainer.checkpoint.integrity import file_checksum, file_entry, verify_files
 from trainer.errors import CheckpointError
+
+logger = logging.getLogger("trainer")
 
 FORMAT_VERSION = 1
 MARKER = "checkpoint.json"
@@ -36,15 +47,23 @@ DATALOADER_PT = "dataloader.pt"
 DCP_METADATA = ".metadata"
 TMP_SUFFIX = ".tmp"
 OLD_SUFFIX = ".replaced"
+MOVED_ASIDE = "moved-aside"
+FINAL_PREFIX = "final-"
 DEFAULT_FOLDER = "checkpoint"  # checkpoint.folder's default, relative to the dump folder
 RUN_CONFIG = "config.toml"  # the resolved config a run writes into its dump folder
 
-_NAME_RE = re.compile(r"^step-(\d+)(\.tmp|\.replaced)?$")
+_NAME_RE = re.compile(r"^(?:final-)?step-(\d+)(\.tmp|\.replaced)?$")
 
 
-def step_dirname(step: int, suffix: str = "") -> str:
-    """The folder name of ``step``: ``step-N`` when committed, ``step-N.tmp`` while being written."""
-    return f"step-{step}{suffix}"
+def step_dirname(step: int, suffix: str = "", final: bool = False) -> str:
+    """The folder name of ``step``: ``step-N`` when committed, ``step-N.tmp`` while being written;
+    ``final-step-N`` for a final model-only save."""
+    return f"{FINAL_PREFIX if final else ''}step-{step}{suffix}"
+
+
+def is_final(name: str) -> bool:
+    """Whether ``name`` is a final model-only save (``final-step-N``)."""
+    return name.startswith(FINAL_PREFIX) and parse_dirname(name) is not None
 
 
 def parse_dirname(name: str) -> tuple[int, str] | None:
@@ -84,6 +103,11 @@ class CheckpointInfo:
         return self.path.name.endswith((TMP_SUFFIX, OLD_SUFFIX))
 
     @property
+    def final(self) -> bool:
+        """A final model-only save (``final-step-N``): never resumed from exactly, never deleted by retention."""
+        return is_final(self.path.name)
+
+    @property
     def readable(self) -> bool:
         """DCP can load it: a committed checkpoint, or another tool's finished DCP save."""
         return self.complete or self.unmarked
@@ -110,7 +134,8 @@ def validate_checkpoint(path: Path) -> tuple[str, str, dict]:
     files = marker.get("files") or {}
     if DCP_METADATA not in files:
         return "corrupt", "commit marker lists no DCP metadata", marker
-    for name, size in files.items():
+    for name, entry in files.items():
+        size, _ = file_entry(entry)
         try:
             actual = (path / name).stat().st_size
         except OSError:
@@ -143,8 +168,34 @@ def scan_folder(folder: Path) -> list[CheckpointInfo]:
         return []
     out = [inspect_checkpoint(entry) for entry in folder.iterdir()
            if parse_dirname(entry.name) is not None and entry.is_dir()]
-    out.sort(key=lambda c: (c.step, c.path.name))
+    out.sort(key=lambda c: (c.step, c.final, c.path.name))  # a final save after the full one of its step
     return out
+
+
+def foreign_files(path: Path, marker: dict) -> list[str]:
+    """Files in a committed checkpoint folder that its marker does not list (put there by someone else)."""
+    listed = set(marker.get("files") or {}) | {MARKER}
+    try:
+        return sorted(p.name for p in Path(path).iterdir() if p.name not in listed)
+    except OSError:
+        return []
+
+
+def move_aside(path: Path, reason: str) -> Path:
+    """Move a folder that is in the way but not ours into ``<its parent>/moved-aside/`` (never deleted);
+    returns where it went."""
+    path = Path(path)
+    dest_dir = path.parent / MOVED_ASIDE
+    dest_dir.mkdir(exist_ok=True)
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    dest = dest_dir / f"{path.name}.{stamp}"
+    n = 1
+    while dest.exists():
+        dest, n = dest_dir / f"{path.name}.{stamp}.{n}", n + 1
+    os.rename(path, dest)
+    fsync_dir(path.parent)
+    logger.warning("%s is in the way of a save (%s): moved aside to %s, not deleted", path, reason, dest)
+    return dest
 
 
 def configured_folder(dump_folder: Path) -> str:
@@ -228,24 +279,52 @@ def write_file_atomic(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-def commit(tmp: Path, final: Path, marker: dict) -> None:
-    """Turn a finished save in ``tmp`` into the committed checkpoint ``final``: record every file and its
-    size in the marker (written last), then rename. A checkpoint of the same step already there is
-    replaced (moved aside first, so that one of them is always complete)."""
-    files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file() and p.name != MARKER}
+def commit(tmp: Path, final: Path, marker: dict, sums: dict | None = None, algo: str = "none") -> None:
+    """Turn a finished save in ``tmp`` into the committed checkpoint ``final``: record every file with its
+    size and checksum in the marker (written last), then rename. ``sums`` holds the checksums computed
+    while the ranks wrote; files not in it (rank 0's small files) are hashed here. A checkpoint of the same
+    step already there is replaced (moved aside first, so that one of them is always complete); a folder
+    there that is not ours, ours but damaged (it may still hold intact weights), or an earlier final
+    export is moved into ``moved-aside/`` instead of being deleted."""
+    sums = sums or {}
+    files: dict[str, dict] = {}
+    for p in sorted(tmp.iterdir()):
+        if not p.is_file() or p.name == MARKER:
+            continue
+        size = p.stat().st_size
+        entry = sums.get(p.name)
+        if algo == "none":
+            files[p.name] = {"size": size}
+            continue
+        if entry is None:
+            size, digest = file_checksum(p, algo)
+            entry = {"size": size, "checksum": digest}
+        elif entry["size"] != size:
+            raise CheckpointError(f"{p} has {size} bytes on disk but {entry['size']} were written")
+        files[p.name] = entry
     if DCP_METADATA not in files:
         raise CheckpointError(f"{tmp} has no DCP metadata after the save")
+    marker["checksum"] = algo
     marker["files"] = files
-    marker["bytes"] = sum(files.values())
+    marker["bytes"] = sum(f["size"] for f in files.values())
     marker["saved_at"] = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
     write_file_atomic(tmp / MARKER, json.dumps(marker, indent=1).encode())
     fsync_dir(tmp)
     old = None
     if final.exists():  # the same step saved again (e.g. a resumed run passing it once more)
-        old = final.with_name(final.name + OLD_SUFFIX)
-        if old.exists():
-            shutil.rmtree(old)
-        os.rename(final, old)
+        status, reason, old_marker = validate_checkpoint(final)
+        extra = foreign_files(final, old_marker) if old_marker and final.is_dir() else []
+        if status == "complete" and not extra:
+            reason = verify_files(final, old_marker)  # damaged content: kept as evidence, not deleted
+            if reason is None and is_final(final.name):
+                reason = "an earlier run's final export"
+        if status != "complete" or extra or reason:
+            move_aside(final, reason or f"files its commit marker does not list: {', '.join(extra[:5])}")
+        else:
+            old = final.with_name(final.name + OLD_SUFFIX)
+            if old.exists():
+                shutil.rmtree(old)
+            os.rename(final, old)
     os.rename(tmp, final)
     fsync_dir(final.parent)
     if old is not None:

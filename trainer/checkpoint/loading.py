@@ -2,9 +2,12 @@
 ``checkpoint.initial_load_path`` (a checkpoint, or a Hugging Face folder).
 
 Rank 0 decides which checkpoints to try (it scans the folder and reports what it finds); every rank
-then loads with no collectives besides DCP's own, and all ranks agree on the outcome before anything
-else happens: on damage the previous checkpoint is tried, on a checkpoint that does not fit this run's
-config the run stops with the cause and a way out.
+then verifies the checksums of its share of the checkpoint's files and loads with no collectives besides
+DCP's own, and all ranks agree on the outcome before anything else happens: on damage (a checksum
+mismatch, a missing file, a read error) the previous checkpoint is tried, on a checkpoint that does not
+fit this run's config the run stops with the cause and a way out. When the folder holds checkpoints and
+none can be loaded the run stops (exit 3) listing each with its reason, unless
+``checkpoint.start_fresh_if_unloadable`` says to start from scratch.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint.agree import ERRORS, Collectives, attempt, format_exception
+from trainer.checkpoint.integrity import share, verify_files
 from trainer.checkpoint.layout import (
     DCP_METADATA,
     MARKER,
@@ -65,6 +69,7 @@ class Loader:
         self.comm = comm
         self.training_steps = training_steps
         self.loaded_step: int | None = None
+        self._touched = False  # a failed load may have written into the model (DCP reads in place)
 
     def load(self, resume: bool) -> None:
         """Resume from the folder's latest complete checkpoint (or ``load_step``) when ``resume``, else or
@@ -100,33 +105,48 @@ class Loader:
                 logger.error("checkpoint %s is %s (%s): skipped", c.path.name, c.status.upper(), c.reason)
         complete = [c for c in infos if c.complete]
         if self.cfg.load_step >= 0:
-            chosen = [c for c in complete if c.step == self.cfg.load_step]
+            chosen = [c for c in complete if c.step == self.cfg.load_step and not c.final]
             if not chosen:
                 return (f"checkpoint.load_step={self.cfg.load_step}: no complete checkpoint step-{self.cfg.load_step} "
                         f"in {self.folder}; complete ones: {[c.step for c in complete] or 'none'}")
             return chosen
         if not complete:
-            return []
+            unusable = [c for c in infos if not c.leftover]
+            return self._unloadable([f"{c.path.name}: {c.status} ({c.reason})" for c in unusable]) if unusable else []
         complete.reverse()  # newest first
+        full = [c for c in complete if c.kind == "full"]
         newest = complete[0]
-        if newest.kind != "full" and 0 < newest.step < self.training_steps:
-            full = [c for c in complete if c.kind == "full"]
-            if not full:
-                return (f"the newest checkpoint {newest.path} holds only model weights ({newest.kind}), so training "
-                        f"cannot continue exactly from it, and no earlier checkpoint has optimizer state. Continue "
-                        f"from its weights with a new job.dump_folder and checkpoint.initial_load_path={newest.path} "
-                        f"(optimizer restarts), or keep full final saves with checkpoint.last_save_model_only=false")
-            logger.warning("checkpoint %s holds only model weights (a final export, checkpoint.last_save_model_only); "
-                           "resuming from %s, the newest one with optimizer state", newest.path.name, full[0].path.name)
-            return full
-        if newest.kind != "full":
+        if newest.kind != "full" and (not full or full[0].step < newest.step):
+            if 0 < newest.step < self.training_steps:
+                if not full:
+                    return (f"the newest checkpoint {newest.path} holds only model weights ({newest.kind}), so "
+                            f"training cannot continue exactly from it, and no earlier checkpoint has optimizer "
+                            f"state. Continue from its weights with a new job.dump_folder and "
+                            f"checkpoint.initial_load_path={newest.path} (optimizer restarts)")
+                logger.warning("checkpoint %s holds only model weights (a final export); resuming from %s, the "
+                               "newest one with optimizer state", newest.path.name, full[0].path.name)
+                return full
             # A seed checkpoint (step 0) or a finished run's export: weights only, then fall back to full ones.
-            return [newest] + [c for c in complete[1:] if c.kind == "full"]
-        return [c for c in complete if c.kind == "full" or c.step == 0]
+            return [newest] + full
+        return [c for c in complete if (c.kind == "full" or c.step == 0) and not c.final]
+
+    def _unloadable(self, reasons: list[str]) -> list | str:
+        """Rank 0: the folder holds checkpoints and none can be loaded: the error listing each, or (with
+        checkpoint.start_fresh_if_unloadable) a loud warning and no candidates."""
+        listing = "; ".join(reasons)
+        if not self.cfg.start_fresh_if_unloadable:
+            return (f"{self.folder} holds checkpoints but none can be loaded: {listing}. Nothing was changed. Fix or "
+                    f"move them aside, pick one with checkpoint.load_step, or set "
+                    f"checkpoint.start_fresh_if_unloadable=true to start from scratch next to them")
+        logger.warning("STARTING FROM SCRATCH (checkpoint.start_fresh_if_unloadable): no checkpoint in %s can be "
+                       "loaded: %s. They are left in place; saves of the same steps move them aside", self.folder,
+                       listing)
+        return []
 
     def _try_load(self, c: CheckpointInfo) -> tuple[dict, str | None, bool]:
         """(report, error, whether the error means the checkpoint does not fit) of loading ``c`` here."""
         try:
+            self._touched = True
             report = self._load_checkpoint(c.path, c.marker, model_only=c.kind != "full",
                                            exclude=set(self.cfg.exclude_from_loading))
             return report, None, False
@@ -136,13 +156,27 @@ class Loader:
             logger.debug("loading %s failed:\n%s", c.path, traceback.format_exc())
             return {}, format_exception(e), False
 
+    def _verify(self, c: CheckpointInfo) -> str | None:
+        """This rank's share of ``c``'s files re-hashed against the marker's checksums; the reason if one
+        fails (all ranks then agree on it before anything is read into the model)."""
+        if not self.cfg.verify_on_load or c.marker.get("checksum", "none") == "none":
+            return None
+        mine = share(list(c.marker.get("files") or {}), self.comm.rank, self.comm.world)
+        bad, error = attempt(f"verifying {c.path}", verify_files, c.path, c.marker, mine)
+        bad = bad or error
+        return f"CORRUPT: {c.path.name}/{bad}" if bad else None
+
     def _load_first(self, candidates: list[CheckpointInfo], explicit: bool) -> None:
         """Load the first candidate that every rank loads; damaged ones are skipped unless ``explicit``."""
         errors = []
         train_state = self.components.train_state
         for c in candidates:
-            report, error, incompatible = self._try_load(c)
-            reasons = self.comm.agree(error)
+            reasons = self.comm.agree(self._verify(c))
+            if reasons:
+                report, incompatible = {}, False
+            else:
+                report, error, incompatible = self._try_load(c)
+                reasons = self.comm.agree(error)
             if reasons and self.comm.any(incompatible):
                 raise CheckpointError(f"checkpoint {c.path} does not fit this run's config: {' | '.join(reasons)}")
             if not reasons:
@@ -158,8 +192,13 @@ class Loader:
                              "" if explicit else "; trying the previous one")
             if explicit:
                 break
-        raise CheckpointError("no checkpoint could be loaded: " + "; ".join(errors) +
-                              ". Move the folder aside to start from scratch, or pick one with checkpoint.load_step")
+        if explicit or self.comm.any(self._touched):
+            raise CheckpointError("no checkpoint could be loaded: " + "; ".join(errors) +
+                                  ". Move the folder aside to start from scratch, or pick one with "
+                                  "checkpoint.load_step")
+        decided = self.comm.broadcast(self._unloadable(errors) if self.comm.rank == 0 else None)
+        if isinstance(decided, str):
+            raise CheckpointError(decided)
 
     # ----------------------------------------------------------------------------------------------
     # One checkpoint, on this rank
@@ -291,9 +330,11 @@ class Loader:
         if not model_only:
             self._load_first([chosen], explicit=True)
             return
-        _, error = attempt(f"loading {chosen.path}", self._load_checkpoint, chosen.path, chosen.marker,
-                           model_only=True, exclude=set(), restore_train_state=False)
-        reasons = self.comm.agree(error)
+        reasons = self.comm.agree(self._verify(chosen))  # checksums first: nothing read from a damaged one
+        if not reasons:
+            _, error = attempt(f"loading {chosen.path}", self._load_checkpoint, chosen.path, chosen.marker,
+                               model_only=True, exclude=set(), restore_train_state=False)
+            reasons = self.comm.agree(error)
         if reasons:
             raise CheckpointError(f"checkpoint.initial_load_path {chosen.path} could not be loaded: "
                                   + " | ".join(reasons))

@@ -123,6 +123,8 @@ class CheckpointManager:
             self._create_seed()
             return
         self.loader.load(resume=self.enabled)
+        if self.loader.loaded_step is not None and self.cfg.verify_on_load:
+            self.saver.committed_steps.add(self.loader.loaded_step)  # verified: counts for keep_latest_k
         if self.enabled and self.comm.rank == 0:
             self.saver.space.report(self.components.full_checkpoint_bytes())
 

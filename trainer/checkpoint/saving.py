@@ -1,7 +1,8 @@
 """Saving: write a checkpoint with DCP (synchronously or in the background), commit it, keep the latest.
 
 A save is atomic: every rank writes into ``step-N.tmp``, the ranks agree that all of them succeeded,
-then rank 0 writes the commit marker and renames the folder to ``step-N``. A failed (or refused) save
+then rank 0 writes the commit marker (every file's size and checksum, hashed while it was written) and
+renames the folder to ``step-N``. A failed (or refused) save
 is reported with every rank's reason, cleaned up and counted; the run stops after
 ``checkpoint.max_failed_saves`` in a row.
 """
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from trainer.checkpoint.agree import ERRORS, Collectives, attempt
+from trainer.checkpoint.integrity import hashing_filesystem
 from trainer.checkpoint.layout import (
     DATALOADER_JSON,
     DATALOADER_PT,
@@ -50,10 +52,14 @@ def _make_writer_class():
     class DrillWriter(FileSystemWriter):
         """FileSystemWriter plus the fault drills (checkpoint.drill_*): a slow save, a failing save."""
 
-        def __init__(self, path, *, delay_s: float = 0.0, fail: bool = False, **kwargs):
+        def __init__(self, path, *, delay_s: float = 0.0, fail: bool = False, checksum: str = "none", **kwargs):
             super().__init__(path, **kwargs)
             self._delay_s = delay_s
             self._fail = fail
+            self.sums: dict[str, dict] = {}  # {file: {size, checksum}} of the files this rank wrote
+            if checksum != "none" and hasattr(getattr(self, "fs", None), "create_stream"):
+                # Hash while writing; without this hook rank 0 hashes the files by reading them at commit.
+                self.fs, self.sums = hashing_filesystem(self.fs, checksum)
 
         def write_data(self, plan, planner):
             if self._delay_s > 0:
@@ -78,6 +84,7 @@ class _Pending:
     t0: float
     blocking_s: float
     stager: Any = None  # a per-save stager to close once the save is written
+    writer: Any = None
 
 
 class Saver:
@@ -94,6 +101,7 @@ class Saver:
         self.failures = 0  # failed saves in this run (metrics: checkpoint_failures)
         self.consecutive_failures = 0
         self.saves = 0
+        self.committed_steps: set[int] = set()  # full checkpoints committed (and checksummed) by this run
         self.pending: _Pending | None = None
         self._stager = None  # the reused pinned-memory stager (async_with_pinned_mem on CUDA)
         self._staging_future = None
@@ -109,9 +117,12 @@ class Saver:
         if self.pending is not None:
             self._poll(block=last or step % self.cfg.interval == 0)
         if last:
-            model_only = self.cfg.last_save_model_only
-            dtype = EXPORT_DTYPES[self.cfg.export_dtype] if model_only else None
-            self.save(step, kind="model_only" if model_only else "full", dtype=dtype, asynchronous=False)
+            # The last step's save is always full (a longer run continues from it exactly); the model-only
+            # export is an addition under its own name, so no run overwrites another run's final save.
+            self.save(step, kind="full", asynchronous=False)
+            if self.cfg.last_save_model_only:
+                self.save(step, kind="model_only", dtype=EXPORT_DTYPES[self.cfg.export_dtype], asynchronous=False,
+                          final=True)
         elif step % self.cfg.interval == 0:
             self.save(step, kind="full", asynchronous=self.cfg.async_mode != "disabled")
 
@@ -123,15 +134,17 @@ class Saver:
             attempt("closing the checkpoint stager", self._stager.close)
             self._stager = None
 
-    def save(self, step: int, kind: str = "full", dtype: torch.dtype | None = None, asynchronous: bool = False) -> bool:
+    def save(self, step: int, kind: str = "full", dtype: torch.dtype | None = None, asynchronous: bool = False,
+             final: bool = False) -> bool:
         """Save ``step`` (all ranks). Returns whether it was committed (a synchronous save) or started (an
         asynchronous one). Failures are counted and raise :class:`CheckpointError` once
         ``checkpoint.max_failed_saves`` happen in a row."""
         import torch.distributed.checkpoint as dcp
 
         t0 = time.perf_counter()
-        final = self.folder / step_dirname(step)
-        tmp = self.folder / step_dirname(step, TMP_SUFFIX)
+        final_save = final
+        final = self.folder / step_dirname(step, final=final_save)
+        tmp = self.folder / step_dirname(step, TMP_SUFFIX, final=final_save)
         model_only = kind != "full"
         self.wait_staging()
         state = self.components.snapshot(step, self.comm.rank, model_only, dtype)
@@ -151,7 +164,7 @@ class Saver:
             return self._start_async(step, tmp, final, marker, state, writer, t0)
         _, error = attempt("checkpoint save", dcp.save, state, storage_writer=writer, process_group=self.comm.pg)
         del state
-        return self._finish_save(step, tmp, final, marker, error, t0, time.perf_counter() - t0)
+        return self._finish_save(step, tmp, final, marker, error, t0, time.perf_counter() - t0, writer)
 
     def _prepare(self, step: int, tmp: Path, nbytes: int) -> str | None:
         """Rank 0 clears a stale temporary folder of this step before anyone writes into it (the agreement
@@ -214,7 +227,7 @@ class Saver:
             self._writer_cls = _make_writer_class()
         fail = step in self.cfg.drill_fail_save_steps and self.comm.rank == self.comm.world - 1
         delay = self.cfg.drill_save_delay_s if self.comm.rank == 0 else 0.0
-        return self._writer_cls(str(tmp), delay_s=delay, fail=fail)
+        return self._writer_cls(str(tmp), delay_s=delay, fail=fail, checksum=self.cfg.checksum)
 
     # ----------------------------------------------------------------------------------------------
     # Background saves
@@ -227,7 +240,7 @@ class Saver:
             return self._failed(step, tmp, reasons, refused=False)
         upload, staging, stager = started
         self.pending = _Pending(step, tmp, final, marker, upload, staging, t0, time.perf_counter() - t0,
-                                stager if stager is not self._stager else None)
+                                stager if stager is not self._stager else None, writer)
         return True
 
     def _async_save(self, state: dict, writer):
@@ -291,46 +304,54 @@ class Saver:
         _, error = attempt("background checkpoint save", p.upload.result)
         if p.stager is not None:
             attempt("closing a checkpoint stager", p.stager.close)
-        self._finish_save(p.step, p.tmp, p.final, p.marker, error, p.t0, p.blocking_s)
+        self._finish_save(p.step, p.tmp, p.final, p.marker, error, p.t0, p.blocking_s, p.writer)
 
     # ----------------------------------------------------------------------------------------------
     # Outcome
     # ----------------------------------------------------------------------------------------------
 
     def _finish_save(self, step: int, tmp: Path, final: Path, marker: dict, error: str | None, t0: float,
-                     blocking_s: float) -> bool:
-        """After DCP wrote (or failed to write) ``tmp``: rank 0 commits when its own save succeeded (DCP's
-        coordinator succeeds only if every rank did), then all ranks agree on the outcome."""
+                     blocking_s: float, writer: Any = None) -> bool:
+        """After DCP wrote (or failed to write) ``tmp``: rank 0 gathers the checksums every rank computed
+        while writing and commits when its own save succeeded (DCP's coordinator succeeds only if every
+        rank did), then all ranks agree on the outcome."""
+        gathered = self.comm.gather(getattr(writer, "sums", None) or {})
         if error is None and self.comm.rank == 0:
+            sums = {name: entry for part in gathered for name, entry in part.items()}
             marker["save_seconds"] = round(time.perf_counter() - t0, 3)
             marker["blocking_seconds"] = round(blocking_s, 3)
-            _, error = attempt("checkpoint commit", commit, tmp, final, marker)
+            _, error = attempt("checkpoint commit", commit, tmp, final, marker, sums, self.cfg.checksum)
             error = error and f"commit failed: {error}"
         reasons = self.comm.agree(error)
         if reasons:
             return self._failed(step, tmp, reasons, refused=False)
         self.consecutive_failures = 0
         self.saves += 1
+        if marker["kind"] == "full":
+            self.committed_steps.add(step)
         if self.comm.rank == 0:
-            logger.info("checkpoint step-%d saved: %s%s in %.2f s (training blocked %.2f s) -> %s",
-                        step, human_bytes(marker.get("bytes", 0)),
+            logger.info("checkpoint %s saved: %s%s in %.2f s (training blocked %.2f s) -> %s",
+                        final.name, human_bytes(marker.get("bytes", 0)),
                         "" if marker["kind"] == "full" else f", {marker['kind']} {marker['dtype']}",
                         time.perf_counter() - t0, blocking_s, final)
             self._retain()
         return True
 
     def _retain(self) -> None:
-        """Delete the checkpoints older than the newest ``keep_latest_k`` (0 keeps all)."""
+        """Delete the full checkpoints older than the newest ``keep_latest_k`` (0 keeps all) that this run
+        committed (their checksums computed as they were written). Only committed, complete checkpoints
+        are ever deleted: an incomplete or damaged one may hold intact weights and stays (reported on
+        load), as do final model-only saves and anything that is not a ``step-N`` folder."""
         k = self.cfg.keep_latest_k
         if k <= 0:
             return
-        infos = scan_folder(self.folder)
-        committed = [c for c in infos if c.complete]
-        if len(committed) <= k:
+        infos = [c for c in scan_folder(self.folder) if not c.final and not c.leftover]
+        verified = [c for c in infos if c.complete and c.step in self.committed_steps]
+        if len(verified) < k:
             return
-        keep_from = committed[-k].step
+        keep_from = verified[-k].step
         for c in infos:
-            if c.step < keep_from and not c.path.name.endswith(TMP_SUFFIX):
+            if c.step < keep_from and c.complete:
                 shutil.rmtree(c.path, ignore_errors=True)
                 logger.info("checkpoint %s deleted (keep_latest_k=%d)", c.path.name, k)
 

@@ -8,6 +8,7 @@ own sections through the registry (trainer/extensions.py); ``JobConfig`` is asse
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -18,6 +19,9 @@ from trainer.config.torchtitan import (
 )
 from trainer.data.config import Data
 
+# checkpoint.checksum's default: xxh3_128 when the xxhash package is installed (a dependency), else sha256.
+_DEFAULT_CHECKSUM = "xxh3_128" if importlib.util.find_spec("xxhash") is not None else "sha256"
+
 @dataclass
 class Job:
     config_file: str | None = None
@@ -26,6 +30,10 @@ class Job:
     """Folder for everything a run writes: resolved config, metrics.jsonl, TensorBoard events, checkpoints."""
     description: str = ""
     """Free text describing the run; saved in config.toml and summary.json."""
+    lock_stale_after_s: int = 300
+    """One run per dump folder: the run holds <dump_folder>/run.lock (host, pid, start time, a heartbeat
+    every 15 s); a lock whose process is gone (same host) or whose heartbeat is older than this is taken
+    over with a warning. 0: no lock."""
     print_config: bool = False
     """Log the resolved configuration (JSON) at start-up, then train, as torchtitan does. To print it
     without training: `trainer config [--job.config_file X ...]` (TOML)."""
@@ -264,6 +272,19 @@ class Checkpoint:
     """Initialise the model, save it as step 0, and exit (run on one process)."""
     max_failed_saves: int = 1
     """Stop the run (non-zero exit) after this many consecutive failed saves."""
+    checksum: Literal["xxh3_128", "sha256", "none"] = _DEFAULT_CHECKSUM
+    """Checksum of every checkpoint file, computed while it is written and recorded in the commit marker
+    (xxh3_128 needs the xxhash package; none records sizes only)."""
+    verify_on_load: bool = True
+    """Verify the checksums before loading a checkpoint; a mismatch refuses it as corrupt and the previous
+    checkpoint is loaded instead."""
+    start_fresh_if_unloadable: bool = False
+    """When the checkpoint folder holds checkpoints and none can be loaded, start from step 0 anyway
+    (nothing is deleted) instead of stopping with exit code 3."""
+    preemption_check_steps: int = 5
+    """On SIGTERM/SIGINT the run saves a full checkpoint and stops (exit 128 + signal); the ranks agree on
+    a received signal every this many steps (one small CPU all-reduce), so the stop comes at most this
+    many steps after the signal."""
     timeout_seconds: int = 1800
     """Collective timeout while saving or loading a checkpoint (ranks wait for the slowest writer); a save
     that takes longer counts as failed."""

@@ -8,6 +8,7 @@ layout) run when it is given. Extensions add their rules through the registry.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import stat
@@ -72,9 +73,10 @@ def _check_core(config) -> None:
                 "parallelism.pipeline_parallel_degree",
                 "parallelism.pipeline_parallel_microbatch_size", "profiling.profile_freq",
                 "checkpoint.max_failed_saves", "checkpoint.timeout_seconds", "comm.init_timeout_seconds",
-                "comm.train_timeout_seconds"):
+                "comm.train_timeout_seconds", "checkpoint.preemption_check_steps"):
         positive(key)
     positive("lr_scheduler.warmup_steps", 0)
+    positive("job.lock_stale_after_s", 0)
     positive("checkpoint.keep_latest_k", 0)
     t = config.training
     if t.global_batch_size != -1 and (t.global_batch_size < 1 or t.global_batch_size % t.local_batch_size):
@@ -132,6 +134,9 @@ def _check_observability(config) -> None:
 
 def _check_checkpoint(config) -> None:
     cfg = config.checkpoint
+    if cfg.checksum == "xxh3_128" and importlib.util.find_spec("xxhash") is None:
+        raise ConfigError("checkpoint.checksum xxh3_128 needs the xxhash package: pip install xxhash, or set "
+                          "checkpoint.checksum sha256")
     if cfg.exclude_from_loading:  # imported only when needed: trainer.checkpoint imports torch
         from trainer.checkpoint.state import STATE_KEYS
 

@@ -49,6 +49,11 @@ class Data:
     """Column or JSON key holding the document text (jsonl, parquet, arrow and hf sources)."""
     text_document: Literal["line", "file"] = "line"
     """For text sources: every line is a document, or every file is one document."""
+    max_skipped_fraction: float = 0.01
+    """Stop the run (data error, exit 4) when more than this fraction of the documents read so far were
+    skipped (malformed, empty, undecodable, missing data.text_field); checked on log steps once 100
+    documents were read, naming the file and line of the last one. 1.0: never stop. The counts are in
+    metrics.jsonl, summary.json and the console."""
     max_document_tokens: int = 0
     """Cut documents to this many tokens (separator not counted) and count them as truncated; 0: never."""
     long_document_windows: int = 64

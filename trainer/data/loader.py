@@ -456,6 +456,8 @@ def aggregate_stats(shard_states: dict, plan: DataPlan, shards: list[int] | None
                 continue
             for k in STAT_KEYS:
                 total[k] += int(st["stats"].get(k, 0))
+            if st["stats"].get("last_skipped"):
+                total["last_skipped"] = st["stats"]["last_skipped"]
             total["sequences"] += int(st["sequences"])
             per_source[s]["sequences"] += int(st["sequences"])
             per_source[s]["documents"] += int(st["stats"].get("documents", 0))

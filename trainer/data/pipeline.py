@@ -22,7 +22,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from trainer.data.sources import (
-    BLOCK_BYTES, EMPTY, MALFORMED, OK, STRIPPED_LEADING, STRIPPED_TRAILING, UNDECODABLE, DataError, Source,
+    BLOCK_BYTES, EMPTY, MALFORMED, MISSING_FIELD, OK, STRIPPED_LEADING, STRIPPED_TRAILING, UNDECODABLE, DataError,
+    Source,
 )
 
 STAT_KEYS = (
@@ -31,6 +32,7 @@ STAT_KEYS = (
     "skipped_empty",
     "skipped_malformed",
     "skipped_undecodable",
+    "skipped_missing_field",  # of skipped_malformed: JSON lines without data.text_field (text sources only)
     "long_documents",  # longer than data.long_document_windows windows (still used)
     "truncated_documents",  # cut to data.max_document_tokens
     "stripped_separators",  # BOS/EOS the tokenizer itself added, removed before adding the one separator
@@ -98,6 +100,12 @@ class DocumentReader:
         self._block = None
         self._order_epoch: int | None = None
 
+    def where(self) -> dict:
+        """Where the document last returned is: its file and byte offset (line sources) or row."""
+        unit, coord = getattr(self, "last", (None, 0))
+        name = self.source.units[unit] if unit is not None and unit < len(self.source.units) else self.source.label
+        return {"file": str(name), "at": int(coord), "bytes": bool(self.source.coords_are_bytes)}
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "unit_pos": self.unit_pos, "block_start": self.block_start,
                 "block_index": self.block_index, "epoch_docs": self.epoch_docs}
@@ -156,6 +164,7 @@ class DocumentReader:
                 self.block_index += 1
                 self.epoch_docs += 1
                 unit = self._block_unit
+                self.last = (unit, coord)
                 return (self.source.uid(unit, coord, self.shard),
                         self.source.load(unit, coord, next_coord, payload))
             # Block used up: the next block of this part, else the next unit, else the next epoch.
@@ -225,6 +234,9 @@ class DocumentTokenizer:
             if status != OK:
                 if count:
                     stats[_SKIP_KEY[status]] += 1
+                    if status == MALFORMED and obj is MISSING_FIELD:
+                        stats["skipped_missing_field"] += 1
+                    stats["last_skipped"] = self.reader.where()
                 if self.reader.epoch >= first_epoch + 2:
                     raise DataError(
                         f"{self.reader.source.spec.key} ({self.reader.source.label}): shard {self.reader.shard} "
@@ -292,6 +304,8 @@ class Packer:
     def _restore(self) -> None:
         sd, self._pending = self._pending, None
         self.docs.stats = {k: int(sd["stats"].get(k, 0)) for k in STAT_KEYS}
+        if sd["stats"].get("last_skipped"):  # where the last skipped document was (for the error message)
+            self.docs.stats["last_skipped"] = dict(sd["stats"]["last_skipped"])
         self.sequences = int(sd["sequences"])
         self.docs.reader.load_state_dict(sd["reader"])
         if sd["has_doc"]:

@@ -32,6 +32,8 @@ from trainer.errors import ConfigError, DataError
 
 # Document status codes (also stored, in the low two bits, in a prepared dataset's status array).
 OK, EMPTY, MALFORMED, UNDECODABLE = 0, 1, 2, 3
+# decode()'s object with MALFORMED when a JSON line lacks data.text_field (counted as its own kind in training).
+MISSING_FIELD = "missing field"
 # Bits 2 and 3 of a prepared status byte: the tokenizer had added a leading / trailing separator that was
 # removed at prepare time (kept so that audit counts the same on both paths).
 STRIPPED_LEADING, STRIPPED_TRAILING = 4, 8
@@ -384,6 +386,8 @@ class JsonlSource(_LineFileSource):
         if not isinstance(obj, dict):
             return MALFORMED, None
         text = obj.get(self.opts.text_field, _MISSING)
+        if text is _MISSING:
+            return MALFORMED, MISSING_FIELD
         if not isinstance(text, str):
             return MALFORMED, None
         try:

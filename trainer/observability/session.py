@@ -174,6 +174,8 @@ class Observability:
                 logger.warning("stopping the %s: %s", what, e)
         if exc_type is None:
             self.write_summary("completed")
+        elif getattr(exc, "summary_status", None):  # e.g. a preemption: stopped on purpose, after saving
+            self.write_summary(exc.summary_status, str(exc))
         elif issubclass(exc_type, KeyboardInterrupt):
             self.write_summary("interrupted", "KeyboardInterrupt")
         else:
@@ -241,6 +243,7 @@ class Observability:
             "checkpoints_saved": saves,
             "checkpoint_failures": getattr(checkpointer, "failures", None) if saves is not None else None,
             "last_loss": last.get("loss"),
+            "data_skipped": last.get("data_skipped", {}),
             "last_logged_step": last.get("step"),
             "world_size": self.world_size,
             "memory_gib": _memory_gib(trainer.device),

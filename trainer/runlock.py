@@ -1,0 +1,149 @@
+"""One run per dump folder: ``<dump_folder>/run.lock`` names the host, pid and start time of the run that
+owns the folder, with a heartbeat the owner refreshes every ``HEARTBEAT_S`` seconds.
+
+The launcher (``trainer.launch``, on node 0) takes the lock before torchrun starts and holds it across
+torchrun's restarts; workers started without it (plain ``torchrun -m trainer.train``) take it on rank 0.
+A second launch into the same folder stops at once with one line (exit code 6). A lock is stale, and taken
+over with a warning, when its process is gone (same host) or its heartbeat is older than
+``job.lock_stale_after_s`` (another host, e.g. on a shared filesystem after a node died).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+from trainer.errors import TrainerError
+
+logger = logging.getLogger("trainer")
+
+LOCK_FILE = "run.lock"
+ENV = "TRAINER_RUN_LOCK"  # set by the launcher for its workers: the lock is held already
+HEARTBEAT_S = 15.0
+
+
+class RunLockedError(TrainerError):
+    """Another live run holds this dump folder."""
+
+    exit_code = 6
+    label = "dump folder in use"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    return True
+
+
+def read_lock(path: Path) -> dict | None:
+    try:
+        data = json.loads(Path(path).read_text())
+        return data if isinstance(data, dict) else {}
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}  # unreadable or half-written: treated by its age (mtime)
+
+
+def stale_reason(info: dict, path: Path, stale_after_s: float) -> str | None:
+    """Why the lock ``info`` (read from ``path``) is stale, or None while its owner is alive."""
+    host, pid = info.get("host"), info.get("pid")
+    if host == socket.gethostname() and isinstance(pid, int) and not _alive(pid):
+        return f"its process {pid} on this host is gone"
+    try:
+        beat = max(float(info.get("heartbeat", 0) or 0), Path(path).stat().st_mtime)
+    except OSError:
+        beat = 0.0
+    age = time.time() - beat
+    if age > stale_after_s:
+        return f"its heartbeat is {age:.0f} s old (job.lock_stale_after_s={stale_after_s:g})"
+    return None
+
+
+def acquire_in_worker(job) -> "RunLock | None":
+    """Rank 0 of a run started without the launcher (plain torchrun) takes the lock itself."""
+    if os.environ.get(ENV) or job.lock_stale_after_s <= 0 or int(os.environ.get("RANK", "0")) != 0:
+        return None
+    return RunLock(Path(job.dump_folder), job.lock_stale_after_s, role="rank 0").acquire()
+
+
+class RunLock:
+    """The lock of one dump folder, held by this process until :meth:`release`."""
+
+    def __init__(self, dump_folder: Path, stale_after_s: float, role: str = "launcher"):
+        self.path = Path(dump_folder) / LOCK_FILE
+        self.stale_after_s = stale_after_s
+        self.info = {"host": socket.gethostname(), "pid": os.getpid(), "role": role,
+                     "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "heartbeat": time.time()}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.held = False
+
+    def acquire(self) -> "RunLock":
+        """Take the lock (or a stale one) and start the heartbeat; raises :class:`RunLockedError`."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                info = read_lock(self.path)
+                if info is None:
+                    continue  # released meanwhile
+                reason = stale_reason(info, self.path, self.stale_after_s)
+                if reason is None:
+                    raise RunLockedError(
+                        f"{self.path.parent} is in use by another run (host {info.get('host', '?')}, pid "
+                        f"{info.get('pid', '?')}, started {info.get('started', '?')}; lock {self.path}): use another "
+                        f"job.dump_folder, or stop that run; a lock whose run died is taken over automatically")
+                logger.warning("taking over the stale lock %s of host %s pid %s (started %s): %s", self.path,
+                               info.get("host", "?"), info.get("pid", "?"), info.get("started", "?"), reason)
+                try:
+                    os.replace(self.path, self.path.with_name(LOCK_FILE + ".stale"))
+                except FileNotFoundError:
+                    pass
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.info, f)
+            self.held = True
+            break
+        else:
+            raise RunLockedError(f"could not take the lock {self.path} (others keep taking it)")
+        self._thread = threading.Thread(target=self._beat, name="run-lock-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            self.info["heartbeat"] = time.time()
+            tmp = self.path.with_name(f"{LOCK_FILE}.{os.getpid()}.tmp")
+            try:
+                mine = read_lock(self.path)
+                if not mine or mine.get("pid") != self.info["pid"] or mine.get("host") != self.info["host"]:
+                    logger.error("the run lock %s was taken by another process; this run no longer owns %s",
+                                 self.path, self.path.parent)
+                    return
+                tmp.write_text(json.dumps(self.info))
+                os.replace(tmp, self.path)
+            except OSError:
+                pass  # a full or flaky disk: the next beat tries again
+
+    def release(self) -> None:
+        self._stop.set()
+        if not self.held:
+            return
+        self.held = False
+        info = read_lock(self.path)
+        if info and info.get("pid") == self.info["pid"] and info.get("host") == self.info["host"]:
+            try:
+                self.path.unlink()
+            except OSError:
+                pass
