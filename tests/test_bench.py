@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from trainer import bench
+from trainer.tools import bench
 
 from .utils import ROOT
 
