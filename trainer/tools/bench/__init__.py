@@ -65,6 +65,7 @@ SUITES: dict[str, tuple[str, str, bool]] = {
     "checkpoint": ("trainer.tools.bench.checkpoint", "bench_checkpoint", True),
     "integrity": ("trainer.tools.bench_integrity", "bench_integrity", False),
     "gpu": ("trainer.tools.bench.gpu", "bench_gpu", True),
+    "kernels": ("trainer.tools.bench.kernels", "bench_kernels", False),
 }
 
 
@@ -79,6 +80,14 @@ def run_suite(name: str, args, overrides: list[str], workdir: str) -> dict[str, 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_overhead_worker"]:  # internal: one contender of the separate-process overhead run
+        from trainer import logs
+
+        from .processes import worker
+
+        logs.setup()
+        print(json.dumps(worker(json.loads(argv[1]))), flush=True)
+        return 0
     if argv[:1] == ["_gpu_case"]:  # internal: one GPU case in a fresh process
         from trainer import logs
 
@@ -101,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--data-seconds", type=float, default=3.0, help="seconds per loader measurement")
     parser.add_argument("--checkpoint-repeats", type=int, default=5)
+    parser.add_argument("--processes", type=int, default=3,
+                        help="overhead: pairs of separate trainer / bare-loop processes (0: in-process only)")
     parser.add_argument("--flavors", default=None, help=f"gpu: comma-separated (default {','.join(GPU_FLAVORS)})")
     parser.add_argument("--variants", default=None, help=f"gpu: comma-separated (default {','.join(GPU_VARIANTS)})")
     parser.add_argument("--seq-len", type=int, default=4096, help="gpu: sequence length (debugmodel: at most 2048)")

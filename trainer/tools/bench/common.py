@@ -156,19 +156,29 @@ def observed(trainer):
 # --------------------------------------------------------------------------------------------------
 
 
+def bare_state(trainer) -> dict[str, torch.Tensor]:
+    return {clean_fqn(k): v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def lr_factors(trainer, steps: int) -> list[float]:
+    schedule = trainer.lr_schedule  # a pure function of the step: the same learning rates
+    return [schedule.factor(i + 1) for i in range(steps + 1)]
+
+
 class BareLoop:
     """A training loop with no framework: the model class, AdamW, clipping, a list of batches."""
 
-    def __init__(self, trainer, batches: list[dict[str, torch.Tensor]]):
+    def __init__(self, config, model_args, state: dict[str, torch.Tensor], lr_factors: list[float],
+                 device: torch.device, dtype: torch.dtype, accum: int, batches: list[dict[str, torch.Tensor]]):
+        """``state``: the initial weights (plain FQNs); ``lr_factors[i]``: the schedule's factor of step i+1."""
         from trainer.models.llama import Transformer
 
-        config = trainer.config
-        self.device = trainer.device
-        self.accum = trainer.accum_steps
+        self.device = device
+        self.accum = accum
         self.log_freq = config.metrics.log_freq
         self.max_norm = config.training.max_norm
         with torch.device(self.device):
-            model = Transformer(trainer.model_args)
+            model = Transformer(model_args)
         # Model-level choices that change the computation are mirrored, so that both loops compute the same:
         # float8 Linear layers, activation checkpointing, per-block compile (thin wrappers over torchao,
         # torch.utils.checkpoint and torch.compile).
@@ -176,7 +186,6 @@ class BareLoop:
             from trainer.train import apply_converters
 
             apply_converters(model, config)
-        state = {clean_fqn(k): v for k, v in trainer.model.state_dict().items()}
         model.load_state_dict(state)
         if config.activation_checkpoint.mode != "none":
             from trainer.parallel.parallelize import apply_ac
@@ -193,15 +202,19 @@ class BareLoop:
             [{"params": [p for p in self.params if p.ndim >= 2], "weight_decay": o.weight_decay},
              {"params": [p for p in self.params if p.ndim < 2], "weight_decay": 0.0}],
             lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, **kind)
-        schedule = trainer.lr_schedule  # a pure function of the step: the same learning rates
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda i: schedule.factor(i + 1))
-        dtype = trainer.compute_dtype
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda i: lr_factors[min(i, len(lr_factors) - 1)])
         self.autocast = (torch.autocast(self.device.type, dtype=dtype) if dtype != torch.float32
                          else contextlib.nullcontext())
         if self.device.type == "cuda":
             batches = [{k: v.pin_memory() for k, v in b.items()} for b in batches]
         self.data = itertools.cycle(batches)
         self.last_loss: float | None = None
+
+    @classmethod
+    def from_trainer(cls, trainer, batches: list[dict[str, torch.Tensor]], steps: int) -> "BareLoop":
+        """The bare loop of a trainer's model: its initial weights, settings and learning rates."""
+        return cls(trainer.config, trainer.model_args, bare_state(trainer), lr_factors(trainer, steps),
+                   trainer.device, trainer.compute_dtype, trainer.accum_steps, batches)
 
     def step(self, step: int) -> torch.Tensor:
         batches = [next(self.data) for _ in range(self.accum)]

@@ -31,7 +31,7 @@ def bench_overhead(args, overrides: list[str], workdir: str) -> dict[str, Any]:
     n_batches = min(total * trainer.accum_steps, 64)
     batches = [next(loader) for _ in range(n_batches)]
     loader.close()
-    bare = BareLoop(trainer, batches)  # copies the trainer's initial weights
+    bare = BareLoop.from_trainer(trainer, batches, config.training.steps)  # the trainer's initial weights
 
     # Parity: same weights, same first batch -> the same loss (checks that both compute the same thing).
     with _quiet():
@@ -89,4 +89,8 @@ def bench_overhead(args, overrides: list[str], workdir: str) -> dict[str, Any]:
         "cycle_step_times_s": times, "cycle_step_cpu_times_s": cpu,
     }
     close_trainer(trainer)
+    if args.processes > 0:
+        from .processes import bench_overhead_processes
+
+        result["processes"] = bench_overhead_processes(args, overrides, workdir)
     return result

@@ -87,6 +87,15 @@ def _gpu_rows(rows: _Rows, g: dict) -> None:
         rows.append((f"gpu: {case['flavor']} {case['variant']}", _gpu_row(case).strip(), ""))
 
 
+def _kernel_rows(rows: _Rows, k: dict) -> None:
+    for c in k["rope"]:
+        mode = "compile" if c["compile"] else "eager"
+        rows.add(f"rope {c['shape']} {mode}: real / complex (ms)", f"{c['real_ms']:.3f} / {c['complex_ms']:.3f}")
+        rows.add(f"rope {c['shape']} {mode}: complex / real", c["complex_over_real"], "{:.3f}")
+        rows.add(f"rope {c['shape']} {mode}: max |diff| out / grad",
+                 f"{c['max_abs_diff_out']:.2e} / {c['max_abs_diff_grad']:.2e}")
+
+
 def _generic_rows(rows: _Rows, suite: str, r: dict) -> None:
     """A suite without rows of its own here: its scalar results, one row each."""
     if "skipped" in r:
@@ -97,7 +106,7 @@ def _generic_rows(rows: _Rows, suite: str, r: dict) -> None:
             rows.add(f"{suite}: {key}", value, metric=key)
 
 
-ROWS = {"overhead": _overhead_rows, "data": _data_rows, "checkpoint": _checkpoint_rows, "gpu": _gpu_rows}
+ROWS = {"overhead": _overhead_rows, "data": _data_rows, "checkpoint": _checkpoint_rows, "gpu": _gpu_rows, "kernels": _kernel_rows}
 
 
 def format_table(results: dict[str, Any]) -> str:
