@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from .common import DEFAULT_CONFIG, load_bench_config, machine_info
-from .gpu import GPU_FLAVORS, GPU_VARIANTS, _check_flavors, _run_case, bench_gpu, gpu_case
+from .gpu import GPU_FLAVORS, GPU_VARIANTS, MATRICES, _check_flavors, _run_case, bench_gpu, gpu_case
 from .report import TARGETS, format_table
 
 __all__ = ["main", "SUITES", "DEFAULT_CONFIG", "GPU_FLAVORS", "GPU_VARIANTS", "bench_gpu", "format_table",
@@ -66,6 +66,7 @@ SUITES: dict[str, tuple[str, str, bool]] = {
     "integrity": ("trainer.tools.bench_integrity", "bench_integrity", False),
     "gpu": ("trainer.tools.bench.gpu", "bench_gpu", True),
     "kernels": ("trainer.tools.bench.kernels", "bench_kernels", False),
+    "vs-torchtitan": ("trainer.tools.bench.vs_torchtitan", "bench_vs_torchtitan", False),
 }
 
 
@@ -114,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="overhead: pairs of separate trainer / bare-loop processes (0: in-process only)")
     parser.add_argument("--flavors", default=None, help=f"gpu: comma-separated (default {','.join(GPU_FLAVORS)})")
     parser.add_argument("--variants", default=None, help=f"gpu: comma-separated (default {','.join(GPU_VARIANTS)})")
+    parser.add_argument("--matrix", default=None, choices=sorted(MATRICES),
+                        help="gpu: a named set of cases (hot_path: 1B and 8B-shaped layers at seq 4096 and 8192, "
+                             "bf16 and float8, compile on and off) instead of --flavors/--variants/--seq-len")
     parser.add_argument("--seq-len", type=int, default=4096, help="gpu: sequence length (debugmodel: at most 2048)")
     parser.add_argument("--max-local-batch", type=int, default=8, help="gpu: largest local batch tried")
     parser.add_argument("--case-timeout", type=float, default=900, help="gpu: seconds per case")
@@ -123,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     bad = [o for o in overrides if o.startswith("-") and "." not in o]
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    if args.suite == "gpu" and not torch.cuda.is_available():
+        print("trainer bench gpu: no CUDA device on this machine; run it where a GPU is (the other suites run "
+              "anywhere)", file=sys.stderr)
+        return 2
     from trainer import logs
 
     logs.setup()

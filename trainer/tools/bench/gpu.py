@@ -22,6 +22,8 @@ GPU_FLAVORS = ("debugmodel", "llama3_1b", "llama3_3b", "llama3_8b_4l")
 GPU_VARIANTS: dict[str, list[str]] = {
     "eager": [],
     "compile": ["--compile.enable", "true"],
+    "float8_tensorwise": ["--model.converters", "quantize.linear.float8",
+                          "--quantize.linear.float8.recipe_name", "tensorwise"],
     "compile_float8_tensorwise": ["--compile.enable", "true", "--model.converters", "quantize.linear.float8",
                                   "--quantize.linear.float8.recipe_name", "tensorwise"],
     "compile_float8_rowwise": ["--compile.enable", "true", "--model.converters", "quantize.linear.float8",
@@ -31,6 +33,14 @@ GPU_VARIANTS: dict[str, list[str]] = {
     "compile_ac_full": ["--compile.enable", "true", "--activation_checkpoint.mode", "full"],
 }
 _VARIANT_AC = {"compile_ac_selective_op": "selective_op", "compile_ac_full": "full"}
+
+# Named sets of cases (``--matrix NAME``): flavors x variants x sequence lengths.
+MATRICES: dict[str, dict[str, tuple]] = {
+    # The hot path of one GPU: 1B and 8B-shaped layers (4 of them) at long sequences, bf16 and float8,
+    # eager and compiled.
+    "hot_path": {"flavors": ("llama3_1b", "llama3_8b_4l"), "seq_lens": (4096, 8192),
+                 "variants": ("eager", "compile", "float8_tensorwise", "compile_float8_tensorwise")},
+}
 
 
 def plan_local_batch(config, capacity_bytes: float, ac: str, max_batch: int) -> tuple[int, float]:
@@ -99,42 +109,61 @@ def gpu_case(spec: dict) -> dict:
     return result
 
 
+def gpu_cases(args) -> list[tuple[str, str, int]]:
+    """(flavor, variant, seq_len) of every case asked for: a ``--matrix``, or ``--flavors`` x ``--variants`` at
+    ``--seq-len`` (debugmodel at most 2048)."""
+    if args.matrix:
+        m = MATRICES[args.matrix]
+        flavors, variants, seq_lens = list(m["flavors"]), list(m["variants"]), list(m["seq_lens"])
+    else:
+        flavors = args.flavors.split(",") if args.flavors else list(GPU_FLAVORS)
+        variants = args.variants.split(",") if args.variants else list(GPU_VARIANTS)
+        seq_lens = [args.seq_len]
+    _check_flavors(flavors)
+    unknown = [v for v in variants if v not in GPU_VARIANTS]
+    if unknown:
+        raise SystemExit(f"trainer bench gpu: unknown variant {unknown[0]!r}; known: {', '.join(GPU_VARIANTS)}")
+    cases = []
+    for flavor in flavors:
+        for seq_len in dict.fromkeys(s if flavor != "debugmodel" else min(s, 2048) for s in seq_lens):
+            cases += [(flavor, variant, seq_len) for variant in variants]
+    return cases
+
+
 def bench_gpu(args, overrides: list[str], workdir: str) -> dict[str, Any]:
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA device: the GPU suite runs on a GPU machine (trainer bench gpu)"}
     from trainer.plan import Shape  # noqa: F401  (fail early if the planner is broken)
 
-    flavors = args.flavors.split(",") if args.flavors else list(GPU_FLAVORS)
-    variants = args.variants.split(",") if args.variants else list(GPU_VARIANTS)
     capacity = torch.cuda.get_device_properties(0).total_memory
-    small = args.steps == "small"
     cases = []
-    _check_flavors(flavors)
-    for flavor in flavors:
-        for variant in variants:
-            if variant not in GPU_VARIANTS:
-                raise SystemExit(f"unknown variant {variant!r}; known: {', '.join(GPU_VARIANTS)}")
-            seq_len = args.seq_len if flavor != "debugmodel" else min(args.seq_len, 2048)
-            ns = argparse.Namespace(config=args.config)
-            cfg = load_bench_config(ns, ["--model.flavor", flavor, "--training.seq_len", str(seq_len),
-                                         "--training.mixed_precision_param", "bfloat16"], [], f"{workdir}/plan")
-            ac = _VARIANT_AC.get(variant, "none")
-            lb, est = plan_local_batch(cfg, capacity, ac, args.max_local_batch)
-            while True:
-                spec = {"flavor": flavor, "variant": variant, "seq_len": seq_len, "local_batch_size": lb,
-                        "config": str(args.config), "overrides": overrides, "warmup": 2 if small else 5,
-                        "rounds": 1 if small else 3, "block": 2 if small else 5}
-                case = _run_case(spec, args.case_timeout)
-                case.update({"flavor": flavor, "variant": variant, "ac": ac, "seq_len": seq_len,
-                             "local_batch_size": lb, "plan_estimate_gib": est / 2**30})
-                if case.get("oom") and lb > 1:
-                    lb //= 2
-                    _, est = plan_local_batch(cfg, 0, ac, lb)  # the estimate at the smaller batch
-                    continue
-                break
-            cases.append(case)
-            print(_gpu_row(case), flush=True)
-    return {"cases": cases, "device": torch.cuda.get_device_name(0), "memory_gib": capacity / 2**30}
+    for flavor, variant, seq_len in gpu_cases(args):
+        case = _gpu_cell(args, overrides, workdir, flavor, variant, seq_len, capacity)
+        cases.append(case)
+        print(_gpu_row(case), flush=True)
+    return {"cases": cases, "device": torch.cuda.get_device_name(0), "memory_gib": capacity / 2**30,
+            "matrix": args.matrix}
+
+
+def _gpu_cell(args, overrides, workdir, flavor: str, variant: str, seq_len: int, capacity: float) -> dict:
+    """One case in its own process, at the largest local batch the planner fits, halved on out-of-memory."""
+    small = args.steps == "small"
+    ns = argparse.Namespace(config=args.config)
+    cfg = load_bench_config(ns, ["--model.flavor", flavor, "--training.seq_len", str(seq_len),
+                                 "--training.mixed_precision_param", "bfloat16"], [], f"{workdir}/plan")
+    ac = _VARIANT_AC.get(variant, "none")
+    lb, est = plan_local_batch(cfg, capacity, ac, args.max_local_batch)
+    while True:
+        spec = {"flavor": flavor, "variant": variant, "seq_len": seq_len, "local_batch_size": lb,
+                "config": str(args.config), "overrides": overrides, "warmup": 2 if small else 5,
+                "rounds": 1 if small else 3, "block": 2 if small else 5}
+        case = _run_case(spec, args.case_timeout)
+        case.update({"flavor": flavor, "variant": variant, "ac": ac, "seq_len": seq_len,
+                     "local_batch_size": lb, "plan_estimate_gib": est / 2**30})
+        if not (case.get("oom") and lb > 1):
+            return case
+        lb //= 2
+        _, est = plan_local_batch(cfg, 0, ac, lb)  # the estimate at the smaller batch
 
 
 def _check_flavors(flavors: list[str]) -> None:
@@ -166,7 +195,9 @@ def _run_case(spec: dict, timeout: float) -> dict:
 
 def _gpu_row(c: dict) -> str:
     if "error" in c:
-        return f"  {c['flavor']:<14} {c['variant']:<26} b{c['local_batch_size']:<3} ERROR {c['error'][:80]}"
+        return (f"  {c['flavor']:<14} {c['variant']:<26} s{c['seq_len']:<5} b{c['local_batch_size']:<3} "
+                f"ERROR {c['error'][:80]}")
     mfu = "-" if c.get("mfu_pct") is None else f"{c['mfu_pct']:.1f}%"
-    return (f"  {c['flavor']:<14} {c['variant']:<26} b{c['local_batch_size']:<3} {c['tokens_per_s']:>10,.0f} tok/s  "
-            f"MFU {mfu:>6}  peak {c['peak_allocated_gib']:6.2f} GiB (plan {c['plan_estimate_gib']:.2f})")
+    return (f"  {c['flavor']:<14} {c['variant']:<26} s{c['seq_len']:<5} b{c['local_batch_size']:<3} "
+            f"{c['tokens_per_s']:>10,.0f} tok/s  MFU {mfu:>6}  peak {c['peak_allocated_gib']:6.2f} GiB "
+            f"(plan {c['plan_estimate_gib']:.2f})")

@@ -63,9 +63,13 @@ def _config(spec: dict):
 
 
 def worker(spec: dict) -> dict[str, Any]:
-    """One contender in this process (``spec["role"]``: trainer or bare)."""
+    """One contender in this process (``spec["role"]``: trainer or bare; ours or torchtitan)."""
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
+    if spec["role"] in ("ours", "torchtitan"):  # trainer bench vs-torchtitan
+        from . import vs_torchtitan
+
+        return getattr(vs_torchtitan, f"{spec['role']}_worker")(spec)
     config = _config(spec)
     block, warmup, cycles = config.metrics.log_freq, spec["warmup"], spec["cycles"]
     if spec["role"] == "trainer":
@@ -115,7 +119,7 @@ def _run_worker(spec: dict, timeout: float) -> dict:
         if line.startswith("{"):
             return json.loads(line)
     tail = (proc.stdout + proc.stderr).strip().splitlines()
-    raise RuntimeError(f"overhead {spec['role']} process failed: {tail[-1] if tail else proc.returncode}")
+    raise RuntimeError(f"benchmark process {spec['role']} failed: {tail[-1] if tail else proc.returncode}")
 
 
 def bench_overhead_processes(args, overrides: list[str], workdir: str) -> dict[str, Any]:

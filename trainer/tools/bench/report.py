@@ -12,6 +12,7 @@ TARGETS = {
     "loader_vs_consumption": (">=", 10.0),
     "async_block_fraction": ("<", 0.20),
     "overhead_ratio_processes": ("<=", 1.03),
+    "ours_vs_torchtitan": ("<=", 1.00),
 }
 
 
