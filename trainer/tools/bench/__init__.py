@@ -79,26 +79,34 @@ def run_suite(name: str, args, overrides: list[str], workdir: str) -> dict[str, 
     return getattr(importlib.import_module(module), func)(args, overrides, workdir)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["_overhead_worker"]:  # internal: one contender of the separate-process overhead run
-        from trainer import logs
+def _internal(command: str, spec: dict) -> int:
+    """A benchmark process started by a suite: prints its result as one JSON line."""
+    from trainer import logs
 
-        from .processes import worker
-
-        logs.setup()
-        print(json.dumps(worker(json.loads(argv[1]))), flush=True)
-        return 0
-    if argv[:1] == ["_gpu_case"]:  # internal: one GPU case in a fresh process
-        from trainer import logs
-
-        logs.setup()
+    logs.setup()
+    if command == "_gpu_case":
         try:
-            result = gpu_case(json.loads(argv[1]))
+            result = gpu_case(spec)
         except torch.OutOfMemoryError as e:
             result = {"error": f"out of memory: {str(e).splitlines()[0]}", "oom": True}
-        print(json.dumps(result), flush=True)
-        return 0
+    elif spec["role"] in ("ours", "torchtitan"):
+        from . import vs_torchtitan
+
+        if spec.get("threads"):
+            torch.set_num_threads(spec["threads"])
+        result = getattr(vs_torchtitan, f"{spec['role']}_worker")(spec)
+    else:
+        from .processes import worker
+
+        result = worker(spec)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["_worker"], ["_gpu_case"]):  # internal: one contender or case in a fresh process
+        return _internal(argv[0], json.loads(argv[1]))
     parser = argparse.ArgumentParser(
         prog="trainer bench", allow_abbrev=False,
         description="Benchmarks of the trainer: framework overhead, data loader, checkpoint, GPU. Other "

@@ -13,6 +13,17 @@ from .common import SMALL, BareLoop, _quiet, _timed_cycles, build_trainer, close
 
 
 def bench_overhead(args, overrides: list[str], workdir: str) -> dict[str, Any]:
+    """In one process (the trainer, the bare loop and the trainer fed from memory, step by step in turn),
+    then, unless ``--processes 0``, the trainer and the bare loop each in a process of its own."""
+    result = overhead_in_process(args, overrides, workdir)
+    if args.processes > 0:
+        from .processes import bench_overhead_processes
+
+        result["processes"] = bench_overhead_processes(args, overrides, workdir)
+    return result
+
+
+def overhead_in_process(args, overrides: list[str], workdir: str) -> dict[str, Any]:
     small = args.steps == "small"
     extra = list(SMALL) if small else []
     config = load_bench_config(args, overrides, extra, f"{workdir}/overhead")
@@ -89,8 +100,4 @@ def bench_overhead(args, overrides: list[str], workdir: str) -> dict[str, Any]:
         "cycle_step_times_s": times, "cycle_step_cpu_times_s": cpu,
     }
     close_trainer(trainer)
-    if args.processes > 0:
-        from .processes import bench_overhead_processes
-
-        result["processes"] = bench_overhead_processes(args, overrides, workdir)
     return result

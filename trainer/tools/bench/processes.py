@@ -63,13 +63,9 @@ def _config(spec: dict):
 
 
 def worker(spec: dict) -> dict[str, Any]:
-    """One contender in this process (``spec["role"]``: trainer or bare; ours or torchtitan)."""
+    """One contender in this process (``spec["role"]``: trainer or bare)."""
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
-    if spec["role"] in ("ours", "torchtitan"):  # trainer bench vs-torchtitan
-        from . import vs_torchtitan
-
-        return getattr(vs_torchtitan, f"{spec['role']}_worker")(spec)
     config = _config(spec)
     block, warmup, cycles = config.metrics.log_freq, spec["warmup"], spec["cycles"]
     if spec["role"] == "trainer":
@@ -113,7 +109,7 @@ def _run_worker(spec: dict, timeout: float) -> dict:
     env = {**os.environ, "MASTER_PORT": str(_free_port())}
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR"):
         env.pop(key, None)
-    cmd = [sys.executable, "-m", "trainer.tools.bench", "_overhead_worker", json.dumps(spec)]
+    cmd = [sys.executable, "-m", "trainer.tools.bench", "_worker", json.dumps(spec)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("{"):
