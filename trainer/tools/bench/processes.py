@@ -36,23 +36,25 @@ from .common import (ROOT, SMALL, BareLoop, _free_port, _quiet, _sync, bare_stat
                      load_bench_config, lr_factors, observed, trainer_steps)
 
 
-def _cycle_times(run, first: int, cycles: int, cycle_len: int, device) -> list[float]:
-    """Seconds per step of each of ``cycles`` cycles of ``cycle_len`` steps, wall clock, GC off."""
-    times = []
+def _cycle_times(run, first: int, cycles: int, cycle_len: int, device) -> tuple[list[float], list[float]]:
+    """Seconds per step of each of ``cycles`` cycles of ``cycle_len`` steps, GC off: wall clock, and process
+    CPU time (all of the process's threads: what it costs, whatever else runs on the machine)."""
+    times, cpu = [], []
     step = first
     gc.collect()
     gc.disable()
     try:
         for _ in range(cycles):
             _sync(device)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             run(step, cycle_len)
             _sync(device)
             times.append((time.perf_counter() - t0) / cycle_len)
+            cpu.append((time.process_time() - c0) / cycle_len)
             step += cycle_len
     finally:
         gc.enable()
-    return times
+    return times, cpu
 
 
 def _config(spec: dict):
@@ -73,7 +75,7 @@ def worker(spec: dict) -> dict[str, Any]:
         device = trainer.device
         with _quiet(), observed(trainer) as obs:
             trainer_steps(trainer, 1, warmup, obs)
-            times = _cycle_times(lambda first, n: trainer_steps(trainer, first, n, obs), warmup + 1, cycles, block,
+            times, cpu = _cycle_times(lambda first, n: trainer_steps(trainer, first, n, obs), warmup + 1, cycles, block,
                                  device)
         close_trainer(trainer)
     else:
@@ -82,9 +84,9 @@ def worker(spec: dict) -> dict[str, Any]:
         bare = BareLoop(config, saved["model_args"], saved["state"], saved["lr_factors"], device,
                         saved["dtype"], saved["accum"], saved["batches"])
         bare.steps(1, warmup)
-        times = _cycle_times(bare.steps, warmup + 1, cycles, block, device)
+        times, cpu = _cycle_times(bare.steps, warmup + 1, cycles, block, device)
     return {"role": spec["role"], "step_time_s": statistics.median(times), "cycle_step_times_s": times,
-            "threads": torch.get_num_threads()}
+            "cpu_time_per_step_s": statistics.median(cpu), "threads": torch.get_num_threads()}
 
 
 def _prepare(args, overrides: list[str], extra: list[str], workdir: str, horizon: int, n_batches: int) -> str:
@@ -137,11 +139,13 @@ def bench_overhead_processes(args, overrides: list[str], workdir: str) -> dict[s
                                  args.case_timeout) for role in order}
         pairs.append(out)
     ratios = [p["trainer"]["step_time_s"] / p["bare"]["step_time_s"] for p in pairs]
+    cpu_ratios = [p["trainer"]["cpu_time_per_step_s"] / p["bare"]["cpu_time_per_step_s"] for p in pairs]
     return {
         "repeats": repeats, "warmup_steps": warmup, "cycles": cycles, "steps_per_cycle": block,
         "step_time_trainer_s": statistics.median(p["trainer"]["step_time_s"] for p in pairs),
         "step_time_bare_s": statistics.median(p["bare"]["step_time_s"] for p in pairs),
         "overhead_ratio_processes": statistics.median(ratios), "ratio_per_repeat": ratios,
         "ratio_spread": max(ratios) - min(ratios),
+        "overhead_ratio_processes_cpu_time": statistics.median(cpu_ratios), "cpu_ratio_per_repeat": cpu_ratios,
         "runs": pairs,
     }

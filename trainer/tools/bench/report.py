@@ -51,6 +51,7 @@ def _overhead_rows(rows: _Rows, o: dict) -> None:
             f"{p['step_time_trainer_s']:.4f} / {p['step_time_bare_s']:.4f}")
         add("overhead_ratio_processes (trainer / bare script)", p["overhead_ratio_processes"], "{:.4f}",
             "overhead_ratio_processes")
+        add("overhead, separate processes: CPU-time ratio", p["overhead_ratio_processes_cpu_time"], "{:.4f}")
         add("overhead, separate processes: ratio per repeat (min..max)",
             f"{min(p['ratio_per_repeat']):.4f} .. {max(p['ratio_per_repeat']):.4f}")
 

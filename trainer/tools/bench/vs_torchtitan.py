@@ -26,7 +26,6 @@ import os
 import resource
 import statistics
 import sys
-import time
 import types
 from typing import Any
 
@@ -150,9 +149,7 @@ def torchtitan_worker(spec: dict) -> dict[str, Any]:
 
     with _quiet():
         steps(1, spec["warmup"])
-        c0 = time.process_time()
-        times = _cycle_times(steps, 0, spec["cycles"], SETTINGS["log_freq"], torch.device("cpu"))
-        cpu = (time.process_time() - c0) / (spec["cycles"] * SETTINGS["log_freq"])
+        times, cpu = _cycle_times(steps, 0, spec["cycles"], SETTINGS["log_freq"], torch.device("cpu"))
     params = sum(p.numel() for m in trainer.model_parts for p in m.parameters())
     trainer.close()
     return _result("torchtitan", times, cpu, params)
@@ -175,19 +172,17 @@ def ours_worker(spec: dict) -> dict[str, Any]:
     trainer = build_trainer(config)
     with _quiet(), observed(trainer) as obs:
         trainer_steps(trainer, 1, spec["warmup"], obs)
-        c0 = time.process_time()
-        times = _cycle_times(lambda first, n: trainer_steps(trainer, first, n, obs), spec["warmup"] + 1,
-                             spec["cycles"], s["log_freq"], trainer.device)
-        cpu = (time.process_time() - c0) / (spec["cycles"] * s["log_freq"])
+        times, cpu = _cycle_times(lambda first, n: trainer_steps(trainer, first, n, obs), spec["warmup"] + 1,
+                                  spec["cycles"], s["log_freq"], trainer.device)
     params = trainer.num_params
     close_trainer(trainer)
     return _result("ours", times, cpu, params)
 
 
-def _result(role: str, times: list[float], cpu: float, params: int) -> dict[str, Any]:
+def _result(role: str, times: list[float], cpu: list[float], params: int) -> dict[str, Any]:
     gc.collect()
     return {"role": role, "step_time_s": statistics.median(times), "cycle_step_times_s": times,
-            "cpu_time_per_step_s": cpu, "params": params, "threads": torch.get_num_threads(),
+            "cpu_time_per_step_s": statistics.median(cpu), "params": params, "threads": torch.get_num_threads(),
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
@@ -216,7 +211,7 @@ def bench_vs_torchtitan(args, overrides: list[str], workdir: str) -> dict[str, A
         "step_time_ours_s": med(p["ours"]["step_time_s"] for p in pairs),
         "step_time_torchtitan_s": med(p["torchtitan"]["step_time_s"] for p in pairs),
         "ours_vs_torchtitan": med(ratios), "ratio_per_repeat": ratios,
-        "ours_vs_torchtitan_cpu_time": med(cpu_ratios),
+        "ours_vs_torchtitan_cpu_time": med(cpu_ratios), "cpu_ratio_per_repeat": cpu_ratios,
         "peak_rss_mib_ours": med(p["ours"]["peak_rss_mib"] for p in pairs),
         "peak_rss_mib_torchtitan": med(p["torchtitan"]["peak_rss_mib"] for p in pairs),
         "params_ours": pairs[0]["ours"]["params"], "params_torchtitan": pairs[0]["torchtitan"]["params"],
