@@ -82,6 +82,48 @@ def rope_case(shape: str, compile_: bool, repeats: int, rounds: int) -> dict[str
     }
 
 
+def model_case(repeats: int, rounds: int, batch: int = 8, seq: int = 256) -> dict[str, Any]:
+    """The whole debug model, forward + backward of the loss, with each RoPE form (eager, float32)."""
+    import torch.nn.functional as F
+
+    from trainer.models import get_model_args
+    from trainer.models.llama import Transformer
+    from trainer.models.llama import model as llama
+
+    args = get_model_args("llama", "debugmodel")
+    if args.vocab_size <= 0:
+        args.vocab_size = 2048  # the bundled tokenizer's
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights()
+    tokens = torch.randint(0, args.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+
+    def step() -> None:
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        model.zero_grad(set_to_none=True)
+
+    complex_form = llama.apply_rotary_emb
+    forms = {"real": apply_rotary_emb_real, "complex": complex_form}
+    times: dict[str, list[float]] = {k: [] for k in forms}
+    try:
+        for i in range(rounds):
+            for name in (list(forms) if i % 2 == 0 else list(forms)[::-1]):
+                llama.apply_rotary_emb = forms[name]
+                step()  # warm-up
+                t = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    step()
+                    t.append(time.perf_counter() - t0)
+                times[name].append(statistics.median(t))
+    finally:
+        llama.apply_rotary_emb = complex_form
+    real_s, complex_s = statistics.median(times["real"]), statistics.median(times["complex"])
+    return {"batch": batch, "seq_len": seq, "real_ms": 1e3 * real_s, "complex_ms": 1e3 * complex_s,
+            "complex_over_real": complex_s / real_s}
+
+
 def bench_kernels(args, overrides: list[str], workdir: str) -> dict[str, Any]:
     small = args.steps == "small"
     shapes = ["debugmodel"] if small else list(SHAPES)
@@ -93,7 +135,10 @@ def bench_kernels(args, overrides: list[str], workdir: str) -> dict[str, Any]:
             case = rope_case(shape, compile_, repeats, rounds)
             cases.append(case)
             print(_row(case), flush=True)
-    return {"rope": cases, "threads": torch.get_num_threads()}
+    model = model_case(1, 1, batch=2, seq=32) if small else model_case(3, 4)
+    print(f"  debug model forward+backward: real RoPE {model['real_ms']:.1f} ms, complex {model['complex_ms']:.1f} ms "
+          f"(complex/real {model['complex_over_real']:.3f})", flush=True)
+    return {"rope": cases, "model": model, "threads": torch.get_num_threads()}
 
 
 def _row(c: dict) -> str:
