@@ -1,7 +1,7 @@
 """``trainer bench``: performance benchmarks of the trainer itself.
 
-    trainer bench [overhead|data|checkpoint|gpu|all] [--json FILE] [--steps N|small] [--config FILE]
-                  [--section.key value ...]
+    trainer bench [overhead|data|checkpoint|gpu|kernels|vs-torchtitan|integrity|all] [--json FILE]
+                  [--steps N|small] [--config FILE] [--section.key value ...]
 
 Suites (each prints rows of the table and fills one entry of the JSON results):
 
@@ -15,7 +15,9 @@ Suites (each prints rows of the table and fills one entry of the JSON results):
   while timed, all run with the same threads. ``overhead_ratio`` is the median over cycles of (trainer
   time / bare time), wall clock; ``overhead_ratio_cpu_time`` the same in process CPU time, which a shared
   machine's load does not disturb. A third contender, the trainer fed the same in-memory batches,
-  separates the data loader's share (``overhead_ratio_no_loader``).
+  separates the data loader's share (``overhead_ratio_no_loader``). Then (``--processes N`` pairs, 0 to
+  skip) the trainer and the bare loop each in a process of its own (``processes.py``):
+  ``overhead_ratio_processes``.
 * ``data``: tokens/s the training loader delivers, tokenizing on the fly and from pre-tokenized files
   (``trainer.data.bench.measure_throughput``), against the tokens/s the model consumes, measured in the same
   run by the trainer, and the fraction of the trainer's step time spent waiting for data (its own
@@ -28,7 +30,15 @@ Suites (each prints rows of the table and fills one entry of the JSON results):
   llama3_3b, llama3_8b with fewer layers) and variant (eager bf16, compile, compile+float8 tensorwise,
   compile+float8 rowwise, compile+selective op AC, compile+full AC), each case in its own process, with the
   local batch chosen by ``trainer plan``'s memory estimate (halved on out-of-memory) and that estimate
-  recorded beside the measured peak.
+  recorded beside the measured peak. ``--matrix hot_path``: 1B and 8B-shaped layers at seq 4096 and 8192,
+  bf16 and float8, compile on and off. Refused in one line (exit 2) without CUDA.
+* ``kernels``: the two forms of the rotary embedding (real-valued chain, complex multiply), eager and
+  compiled, at the debug and an 8B-layer shape, and the debug model's forward+backward with each.
+* ``vs-torchtitan``: our trainer's steady step against torchtitan 0.2.2's at the same shape and settings,
+  separate processes, interleaved (when torchtitan is importable; one line otherwise).
+* ``integrity`` (when ``trainer.tools.bench_integrity`` is present): the checkpoint integrity measurement.
+
+``all`` runs overhead, data, checkpoint and (with CUDA) gpu.
 
 Defaults are the debug model's config (train_configs/debug_model.toml); ``--section.key value`` overrides
 it. ``--steps small`` shrinks everything to a seconds-long smoke run (used by the tests).

@@ -97,9 +97,10 @@ def _kernel_rows(rows: _Rows, k: dict) -> None:
         rows.add(f"rope {c['shape']} {mode}: max |diff| out / grad",
                  f"{c['max_abs_diff_out']:.2e} / {c['max_abs_diff_grad']:.2e}")
     m = k["model"]
-    rows.add(f"debug model fwd+bwd {m['batch']}x{m['seq_len']}: real / complex RoPE (ms)",
+    rows.add(f"debug model fwd+bwd {m['batch']}x{m['seq_len']}: real / complex RoPE (CPU ms)",
              f"{m['real_ms']:.1f} / {m['complex_ms']:.1f}")
-    rows.add("debug model fwd+bwd: complex / real RoPE", m["complex_over_real"], "{:.3f}")
+    rows.add("debug model fwd+bwd: complex / real RoPE (CPU time / wall)",
+             f"{m['complex_over_real']:.3f} / {m['complex_over_real_wall']:.3f}")
 
 
 def _generic_rows(rows: _Rows, suite: str, r: dict) -> None:
