@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.suite == "all":
-        suites = [s for s, (_, _, in_all) in available_suites().items() if in_all and (s != "gpu" or torch.cuda.is_available())]
+        suites = [s for s, (_, _, in_all) in available_suites().items()
+                  if in_all and (s != "gpu" or torch.cuda.is_available())]
     else:
         suites = [args.suite]
     results: dict[str, Any] = {}

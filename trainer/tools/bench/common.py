@@ -202,7 +202,8 @@ class BareLoop:
             [{"params": [p for p in self.params if p.ndim >= 2], "weight_decay": o.weight_decay},
              {"params": [p for p in self.params if p.ndim < 2], "weight_decay": 0.0}],
             lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, **kind)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda i: lr_factors[min(i, len(lr_factors) - 1)])
+        last = len(lr_factors) - 1
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda i: lr_factors[min(i, last)])
         self.autocast = (torch.autocast(self.device.type, dtype=dtype) if dtype != torch.float32
                          else contextlib.nullcontext())
         if self.device.type == "cuda":

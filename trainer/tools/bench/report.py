@@ -52,6 +52,8 @@ def _overhead_rows(rows: _Rows, o: dict) -> None:
         add("overhead_ratio_processes (trainer / bare script)", p["overhead_ratio_processes"], "{:.4f}",
             "overhead_ratio_processes")
         add("overhead, separate processes: CPU-time ratio", p["overhead_ratio_processes_cpu_time"], "{:.4f}")
+        add("overhead, separate processes: fastest cycle / fastest cycle", p["overhead_ratio_processes_best_cycle"],
+            "{:.4f}")
         add("overhead, separate processes: ratio per repeat (min..max)",
             f"{min(p['ratio_per_repeat']):.4f} .. {max(p['ratio_per_repeat']):.4f}")
 
@@ -113,7 +115,8 @@ def _generic_rows(rows: _Rows, suite: str, r: dict) -> None:
             rows.add(f"{suite}: {key}", value, metric=key)
 
 
-ROWS = {"overhead": _overhead_rows, "data": _data_rows, "checkpoint": _checkpoint_rows, "gpu": _gpu_rows, "kernels": _kernel_rows}
+ROWS = {"overhead": _overhead_rows, "data": _data_rows, "checkpoint": _checkpoint_rows, "gpu": _gpu_rows,
+        "kernels": _kernel_rows}
 
 
 def format_table(results: dict[str, Any]) -> str:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from .common import ROOT, _quiet, single_rank_env
-from .processes import _cycle_times, _run_worker
+from .processes import _cycle_times, _run_worker, best_cycle_ratio
 
 TOKENIZER_DIR = ROOT / "tokenizer" / "assets" / "debug_bpe"
 SETTINGS = {"seq_len": 256, "local_batch_size": 8, "lr": 3e-3, "weight_decay": 0.1, "max_norm": 1.0,
@@ -211,6 +211,7 @@ def bench_vs_torchtitan(args, overrides: list[str], workdir: str) -> dict[str, A
         "step_time_ours_s": med(p["ours"]["step_time_s"] for p in pairs),
         "step_time_torchtitan_s": med(p["torchtitan"]["step_time_s"] for p in pairs),
         "ours_vs_torchtitan": med(ratios), "ratio_per_repeat": ratios,
+        "ours_vs_torchtitan_best_cycle": best_cycle_ratio(pairs, "ours", "torchtitan"),
         "ours_vs_torchtitan_cpu_time": med(cpu_ratios), "cpu_ratio_per_repeat": cpu_ratios,
         "peak_rss_mib_ours": med(p["ours"]["peak_rss_mib"] for p in pairs),
         "peak_rss_mib_torchtitan": med(p["torchtitan"]["peak_rss_mib"] for p in pairs),
