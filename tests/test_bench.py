@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from trainer import bench
+from trainer.tools import bench
 
 from .utils import ROOT
 
@@ -30,6 +30,11 @@ def test_bench_overhead_small_writes_ratio(tmp_path):
     # Same weights, same first batch: the trainer and the bare loop compute the same loss.
     assert o["loss_step1_trainer"] == pytest.approx(o["loss_step1_bare"], rel=1e-5)
     assert data["machine"]["torch"] == torch.__version__
+    # The same comparison with the trainer and the bare loop each in a process of its own.
+    p = o["processes"]
+    assert p["overhead_ratio_processes"] > 0 and len(p["ratio_per_repeat"]) == p["repeats"] == 1
+    assert {run["role"] for run in p["runs"][0].values()} == {"trainer", "bare"}
+    assert "overhead_ratio_processes" in proc.stdout
 
 
 def test_bench_gpu_skips_without_cuda(monkeypatch):
@@ -77,7 +82,7 @@ def test_gpu_variants_are_valid_configs(variant, tmp_path):
 
     ns = argparse.Namespace(config=str(bench.DEFAULT_CONFIG))
     config = bench.load_bench_config(ns, bench.GPU_VARIANTS[variant], [], str(tmp_path))
-    assert config.compile.enable == (variant != "eager")
+    assert config.compile.enable == variant.startswith("compile")
 
 
 def test_gpu_case_process_runs_on_cpu():
@@ -88,3 +93,48 @@ def test_gpu_case_process_runs_on_cpu():
     case = bench._run_case(spec, timeout=300)
     assert "error" not in case, case
     assert case["tokens_per_s"] > 0 and case["flops_per_token"] > 0 and case["mfu_pct"] is None
+
+
+def test_gpu_suite_refuses_without_cuda_in_one_line():
+    proc = subprocess.run([sys.executable, "-m", "trainer.cli", "bench", "gpu", "--matrix", "hot_path"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().count("\n") == 0 and "no CUDA device" in proc.stderr
+
+
+def test_hot_path_matrix_cases():
+    import argparse
+
+    ns = argparse.Namespace(matrix="hot_path", flavors=None, variants=None, seq_len=4096)
+    cases = bench.gpu.gpu_cases(ns)
+    assert len(cases) == 16 and {c[2] for c in cases} == {4096, 8192}
+    assert {c[1] for c in cases} == {"eager", "compile", "float8_tensorwise", "compile_float8_tensorwise"}
+
+
+def test_rope_forms_agree_bitwise():
+    """The model's RoPE (complex multiply) and the real-valued chain give the same bits, forward and backward."""
+    from trainer.tools.bench.kernels import rope_case
+
+    case = rope_case("debugmodel", compile_=False, repeats=1, rounds=1)
+    assert case["bitwise_equal"], case
+
+
+def test_vs_torchtitan_skips_in_one_line_without_torchtitan(monkeypatch, tmp_path):
+    import argparse
+
+    from trainer.tools.bench import vs_torchtitan
+
+    monkeypatch.setattr(vs_torchtitan, "torchtitan_version", lambda: None)
+    result = vs_torchtitan.bench_vs_torchtitan(argparse.Namespace(steps="small"), [], str(tmp_path))
+    assert list(result) == ["skipped"] and "\n" not in result["skipped"]
+
+
+def test_step_seeding_matches_manual_seed():
+    """The per-step seed reaches the CPU generator exactly as torch.manual_seed would put it."""
+    from trainer.train import seed_step
+
+    seed_step(1234, torch.device("cpu"))
+    ours = torch.get_rng_state()
+    torch.manual_seed(1234)
+    assert torch.equal(ours, torch.get_rng_state())

@@ -20,7 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "data": ("trainer.data.cli", "audit a config's data, or tokenize a corpus into token files (prepare)"),
     "checkpoint": ("trainer.checkpoint.cli", "list, inspect or verify checkpoints"),
     "plan": ("trainer.plan", "parameters, FLOPs and memory per GPU for a config and GPU count"),
-    "bench": ("trainer.bench", "benchmarks: framework overhead, data loader, checkpoint, GPU"),
+    "bench": ("trainer.tools.bench", "benchmarks: framework overhead, data loader, checkpoint, GPU"),
     "simulate": ("trainer.simulate.cli", "build and step a layout on N simulated ranks: memory, FLOPs, collectives"),
 }
 

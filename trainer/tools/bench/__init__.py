@@ -1,0 +1,184 @@
+"""``trainer bench``: performance benchmarks of the trainer itself.
+
+    trainer bench [overhead|data|checkpoint|gpu|kernels|vs-torchtitan|integrity|all] [--json FILE]
+                  [--steps N|small] [--config FILE] [--section.key value ...]
+
+Suites (each prints rows of the table and fills one entry of the JSON results):
+
+* ``overhead``: the trainer's step time against a bare PyTorch loop in the same process: the real
+  :class:`trainer.train.Trainer` (single-rank process group; its ``train_step``, ``log_step`` every
+  ``metrics.log_freq`` steps and ``checkpointer.maybe_save``, exactly what ``Trainer.train`` runs per step)
+  versus a hand-written loop (``Transformer`` built directly with the same weights, ``torch.optim.AdamW``
+  with the same settings, the same clipping and the same token batches, drawn up front into memory, so its
+  data costs nothing). Time is taken over cycles of ``log_freq`` steps (one logged step each); within a
+  cycle the contenders take turns step by step (on a GPU: cycle by cycle) in rotating order, the GC is off
+  while timed, all run with the same threads. ``overhead_ratio`` is the median over cycles of (trainer
+  time / bare time), wall clock; ``overhead_ratio_cpu_time`` the same in process CPU time, which a shared
+  machine's load does not disturb. A third contender, the trainer fed the same in-memory batches,
+  separates the data loader's share (``overhead_ratio_no_loader``). Then (``--processes N`` pairs, 0 to
+  skip) the trainer and the bare loop each in a process of its own (``processes.py``):
+  ``overhead_ratio_processes``.
+* ``data``: tokens/s the training loader delivers, tokenizing on the fly and from pre-tokenized files
+  (``trainer.data.bench.measure_throughput``), against the tokens/s the model consumes, measured in the same
+  run by the trainer, and the fraction of the trainer's step time spent waiting for data (its own
+  ``data_wait_s`` accounting).
+* ``checkpoint``: save throughput of synchronous and asynchronous saves and load throughput, through the
+  trainer's ``CheckpointManager`` (DCP); how long an asynchronous save blocks the loop (from the save call
+  until the loop may continue) against a synchronous save; and the slowdown of steps while the background
+  write runs.
+* ``gpu`` (CUDA only; skipped elsewhere): tokens/s, MFU and peak memory per flavor (debugmodel, llama3_1b,
+  llama3_3b, llama3_8b with fewer layers) and variant (eager bf16, compile, compile+float8 tensorwise,
+  compile+float8 rowwise, compile+selective op AC, compile+full AC), each case in its own process, with the
+  local batch chosen by ``trainer plan``'s memory estimate (halved on out-of-memory) and that estimate
+  recorded beside the measured peak. ``--matrix hot_path``: 1B and 8B-shaped layers at seq 4096 and 8192,
+  bf16 and float8, compile on and off. Refused in one line (exit 2) without CUDA.
+* ``kernels``: the two forms of the rotary embedding (real-valued chain, complex multiply), eager and
+  compiled, at the debug and an 8B-layer shape, and the debug model's forward+backward with each.
+* ``vs-torchtitan``: our trainer's steady step against torchtitan 0.2.2's at the same shape and settings,
+  separate processes, interleaved (when torchtitan is importable; one line otherwise).
+* ``integrity`` (when ``trainer.tools.bench_integrity`` is present): the checkpoint integrity measurement.
+
+``all`` runs overhead, data, checkpoint and (with CUDA) gpu.
+
+Defaults are the debug model's config (train_configs/debug_model.toml); ``--section.key value`` overrides
+it. ``--steps small`` shrinks everything to a seconds-long smoke run (used by the tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .common import DEFAULT_CONFIG, load_bench_config, machine_info
+from .gpu import GPU_FLAVORS, GPU_VARIANTS, MATRICES, _check_flavors, _run_case, bench_gpu, gpu_case
+from .report import TARGETS, format_table
+
+__all__ = ["main", "SUITES", "DEFAULT_CONFIG", "GPU_FLAVORS", "GPU_VARIANTS", "bench_gpu", "format_table",
+           "load_bench_config"]
+
+# name -> (module, function(args, overrides, workdir) -> dict, part of 'all'). A suite whose module is not
+# installed is not offered (trainer.tools.bench_integrity, the checkpoint integrity measurement, is optional).
+SUITES: dict[str, tuple[str, str, bool]] = {
+    "overhead": ("trainer.tools.bench.overhead", "bench_overhead", True),
+    "data": ("trainer.tools.bench.data", "bench_data", True),
+    "checkpoint": ("trainer.tools.bench.checkpoint", "bench_checkpoint", True),
+    "integrity": ("trainer.tools.bench_integrity", "bench_integrity", False),
+    "gpu": ("trainer.tools.bench.gpu", "bench_gpu", True),
+    "kernels": ("trainer.tools.bench.kernels", "bench_kernels", False),
+    "vs-torchtitan": ("trainer.tools.bench.vs_torchtitan", "bench_vs_torchtitan", False),
+}
+
+
+def available_suites() -> dict[str, tuple[str, str, bool]]:
+    return {name: spec for name, spec in SUITES.items() if importlib.util.find_spec(spec[0]) is not None}
+
+
+def run_suite(name: str, args, overrides: list[str], workdir: str) -> dict[str, Any]:
+    module, func, _ = SUITES[name]
+    return getattr(importlib.import_module(module), func)(args, overrides, workdir)
+
+
+def _internal(command: str, spec: dict) -> int:
+    """A benchmark process started by a suite: prints its result as one JSON line."""
+    from trainer import logs
+
+    logs.setup()
+    if command == "_gpu_case":
+        try:
+            result = gpu_case(spec)
+        except torch.OutOfMemoryError as e:
+            result = {"error": f"out of memory: {str(e).splitlines()[0]}", "oom": True}
+    elif spec["role"] in ("ours", "torchtitan"):
+        from . import vs_torchtitan
+
+        if spec.get("threads"):
+            torch.set_num_threads(spec["threads"])
+        result = getattr(vs_torchtitan, f"{spec['role']}_worker")(spec)
+    else:
+        from .processes import worker
+
+        result = worker(spec)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["_worker"], ["_gpu_case"]):  # internal: one contender or case in a fresh process
+        return _internal(argv[0], json.loads(argv[1]))
+    parser = argparse.ArgumentParser(
+        prog="trainer bench", allow_abbrev=False,
+        description="Benchmarks of the trainer: framework overhead, data loader, checkpoint, GPU. Other "
+                    "--section.key value arguments override the benchmark config.")
+    parser.add_argument("suite", nargs="?", default="all", choices=(*available_suites(), "all"))
+    parser.add_argument("--json", default=None, help="write the results to this file")
+    parser.add_argument("--steps", default="30",
+                        help="measured steps per contender (overhead; data uses half), or 'small' for a smoke run")
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="TOML config (default: the debug model)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--data-seconds", type=float, default=3.0, help="seconds per loader measurement")
+    parser.add_argument("--checkpoint-repeats", type=int, default=5)
+    parser.add_argument("--processes", type=int, default=3,
+                        help="overhead: pairs of separate trainer / bare-loop processes (0: in-process only)")
+    parser.add_argument("--flavors", default=None, help=f"gpu: comma-separated (default {','.join(GPU_FLAVORS)})")
+    parser.add_argument("--variants", default=None, help=f"gpu: comma-separated (default {','.join(GPU_VARIANTS)})")
+    parser.add_argument("--matrix", default=None, choices=sorted(MATRICES),
+                        help="gpu: a named set of cases (hot_path: 1B and 8B-shaped layers at seq 4096 and 8192, "
+                             "bf16 and float8, compile on and off) instead of --flavors/--variants/--seq-len")
+    parser.add_argument("--seq-len", type=int, default=4096, help="gpu: sequence length (debugmodel: at most 2048)")
+    parser.add_argument("--max-local-batch", type=int, default=8, help="gpu: largest local batch tried")
+    parser.add_argument("--case-timeout", type=float, default=900, help="gpu: seconds per case")
+    args, overrides = parser.parse_known_args(argv)
+    if args.steps != "small" and not args.steps.isdigit():
+        parser.error("--steps takes a number or 'small'")
+    bad = [o for o in overrides if o.startswith("-") and "." not in o]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    if args.suite == "gpu" and not torch.cuda.is_available():
+        print("trainer bench gpu: no CUDA device on this machine; run it where a GPU is (the other suites run "
+              "anywhere)", file=sys.stderr)
+        return 2
+    from trainer import logs
+
+    logs.setup()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.suite == "all":
+        suites = [s for s, (_, _, in_all) in available_suites().items()
+                  if in_all and (s != "gpu" or torch.cuda.is_available())]
+    else:
+        suites = [args.suite]
+    results: dict[str, Any] = {}
+    report = {"command": "trainer bench " + " ".join(argv), "machine": machine_info(), "results": results,
+              "targets": {k: f"{op} {b:g}" for k, (op, b) in TARGETS.items()}}
+    try:
+        with tempfile.TemporaryDirectory(prefix="trainer_bench_") as workdir:
+            for suite in suites:
+                t0 = time.perf_counter()
+                results[suite] = run_suite(suite, args, overrides, workdir)
+                results[suite]["seconds"] = time.perf_counter() - t0
+                if args.json:  # partial results survive a later failure
+                    Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    with contextlib.suppress(OSError):
+        report["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    print(format_table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
+        print(f"results written to {args.json}")
+    return 0
