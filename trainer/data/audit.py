@@ -38,9 +38,8 @@ def audit(config, tokenizer, *, max_sequences: int | None = None) -> dict:
     literal = LiteralSpecials(tokenizer)
     plan = dataclasses.replace(plan, debug=True, positions=True, tokenizer=literal)
     streams = [ShardStream(j, plan) for j in range(plan.num_shards)]
-    sep_ids = np.array(sorted(set(plan.strip_ids) | {plan.separator_id}), dtype=np.int64)
-    last_token: dict[tuple[int, int], int] = {}  # last token of each (shard, source) packed stream
-    boundaries = at_boundaries = doubled = missing = sequences = 0
+    seps = _Separators(np.array(sorted(set(plan.strip_ids) | {plan.separator_id}), dtype=np.int64))
+    sequences = 0
     start = time.perf_counter()
     active = list(range(plan.num_shards))
     i = 0
@@ -53,25 +52,7 @@ def audit(config, tokenizer, *, max_sequences: int | None = None) -> dict:
             continue
         i += 1
         sequences += 1
-        key = (w.shard, w.source)
-        prev = last_token.get(key)
-        last_token[key] = int(w.tokens[-1])
-        is_sep = np.isin(w.tokens, sep_ids)
-        # Adjacent separators anywhere in the stream (inside a window, or across two windows).
-        doubled += int(np.count_nonzero(is_sep[:-1] & is_sep[1:]))
-        if prev is not None and is_sep[0] and prev in sep_ids:
-            doubled += 1
-        # Boundaries: every document start except the first of a stream; separators on each boundary are
-        # the last token of the previous document and the first of the next.
-        starts = np.flatnonzero(w.positions == 0)
-        for s in starts:
-            if s == 0 and prev is None:
-                continue
-            before = bool(is_sep[s - 1]) if s > 0 else bool(prev in sep_ids)
-            n = int(before) + int(is_sep[s])
-            boundaries += 1
-            at_boundaries += n
-            missing += n == 0
+        seps.add(w)
 
     stats = aggregate_stats({str(j): s.state_dict() for j, s in enumerate(streams)}, plan)
     return {
@@ -84,10 +65,10 @@ def audit(config, tokenizer, *, max_sequences: int | None = None) -> dict:
         "tokens": stats["tokens"],
         "sequences": sequences,
         "sequence_tokens": sequences * (plan.seq_len + 1),
-        "boundaries": boundaries,
-        "separators_per_boundary": at_boundaries / boundaries if boundaries else 0.0,
-        "doubled_separators": doubled,
-        "missing_separators": missing,
+        "boundaries": seps.boundaries,
+        "separators_per_boundary": seps.at_boundaries / seps.boundaries if seps.boundaries else 0.0,
+        "doubled_separators": seps.doubled,
+        "missing_separators": seps.missing,
         "stripped_separators": stats["stripped_separators"],
         "literal_special_tokens": literal.report(),
         "skipped_empty": stats["skipped_empty"],
@@ -104,6 +85,35 @@ def audit(config, tokenizer, *, max_sequences: int | None = None) -> dict:
         ],
         "seconds": round(time.perf_counter() - start, 3),
     }
+
+
+class _Separators:
+    """Counts separators at document boundaries over the packed windows of every (shard, source) stream."""
+
+    def __init__(self, sep_ids: np.ndarray):
+        self.sep_ids = sep_ids
+        self.last_token: dict[tuple[int, int], int] = {}  # last token of each (shard, source) packed stream
+        self.boundaries = self.at_boundaries = self.doubled = self.missing = 0
+
+    def add(self, w) -> None:
+        key = (w.shard, w.source)
+        prev = self.last_token.get(key)
+        self.last_token[key] = int(w.tokens[-1])
+        is_sep = np.isin(w.tokens, self.sep_ids)
+        # Adjacent separators anywhere in the stream (inside a window, or across two windows).
+        self.doubled += int(np.count_nonzero(is_sep[:-1] & is_sep[1:]))
+        if prev is not None and is_sep[0] and prev in self.sep_ids:
+            self.doubled += 1
+        # Boundaries: every document start except the first of a stream; separators on each boundary are
+        # the last token of the previous document and the first of the next.
+        for s in np.flatnonzero(w.positions == 0):
+            if s == 0 and prev is None:
+                continue
+            before = bool(is_sep[s - 1]) if s > 0 else bool(prev in self.sep_ids)
+            n = int(before) + int(is_sep[s])
+            self.boundaries += 1
+            self.at_boundaries += n
+            self.missing += n == 0
 
 
 class LiteralSpecials:

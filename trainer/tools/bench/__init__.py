@@ -36,7 +36,7 @@ Suites (each prints rows of the table and fills one entry of the JSON results):
   compiled, at the debug and an 8B-layer shape, and the debug model's forward+backward with each.
 * ``vs-torchtitan``: our trainer's steady step against torchtitan 0.2.2's at the same shape and settings,
   separate processes, interleaved (when torchtitan is importable; one line otherwise).
-* ``integrity`` (when ``trainer.tools.bench_integrity`` is present): the checkpoint integrity measurement.
+* ``integrity``: checksum throughput, and what checksums add to a DCP save and to the check before a load.
 
 ``all`` runs overhead, data, checkpoint and (with CUDA) gpu.
 
@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import importlib.util
 import json
 import os
 import sys
@@ -61,27 +60,22 @@ from typing import Any
 import torch
 
 from .common import DEFAULT_CONFIG, load_bench_config, machine_info
-from .gpu import GPU_FLAVORS, GPU_VARIANTS, MATRICES, _check_flavors, _run_case, bench_gpu, gpu_case
+from .gpu import GPU_FLAVORS, GPU_VARIANTS, MATRICES, _check_flavors, _run_case, bench_gpu, gpu_case  # noqa: F401
 from .report import TARGETS, format_table
 
 __all__ = ["main", "SUITES", "DEFAULT_CONFIG", "GPU_FLAVORS", "GPU_VARIANTS", "bench_gpu", "format_table",
            "load_bench_config"]
 
-# name -> (module, function(args, overrides, workdir) -> dict, part of 'all'). A suite whose module is not
-# installed is not offered (trainer.tools.bench_integrity, the checkpoint integrity measurement, is optional).
+# name -> (module, function(args, overrides, workdir) -> dict, part of 'all').
 SUITES: dict[str, tuple[str, str, bool]] = {
     "overhead": ("trainer.tools.bench.overhead", "bench_overhead", True),
     "data": ("trainer.tools.bench.data", "bench_data", True),
     "checkpoint": ("trainer.tools.bench.checkpoint", "bench_checkpoint", True),
-    "integrity": ("trainer.tools.bench_integrity", "bench_integrity", False),
+    "integrity": ("trainer.tools.bench.integrity", "bench_integrity", False),
     "gpu": ("trainer.tools.bench.gpu", "bench_gpu", True),
     "kernels": ("trainer.tools.bench.kernels", "bench_kernels", False),
     "vs-torchtitan": ("trainer.tools.bench.vs_torchtitan", "bench_vs_torchtitan", False),
 }
-
-
-def available_suites() -> dict[str, tuple[str, str, bool]]:
-    return {name: spec for name, spec in SUITES.items() if importlib.util.find_spec(spec[0]) is not None}
 
 
 def run_suite(name: str, args, overrides: list[str], workdir: str) -> dict[str, Any]:
@@ -121,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="trainer bench", allow_abbrev=False,
         description="Benchmarks of the trainer: framework overhead, data loader, checkpoint, GPU. Other "
                     "--section.key value arguments override the benchmark config.")
-    parser.add_argument("suite", nargs="?", default="all", choices=(*available_suites(), "all"))
+    parser.add_argument("suite", nargs="?", default="all", choices=(*SUITES, "all"))
     parser.add_argument("--json", default=None, help="write the results to this file")
     parser.add_argument("--steps", default="30",
                         help="measured steps per contender (overhead; data uses half), or 'small' for a smoke run")
@@ -129,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--data-seconds", type=float, default=3.0, help="seconds per loader measurement")
     parser.add_argument("--checkpoint-repeats", type=int, default=5)
+    parser.add_argument("--integrity-mb", type=int, default=256, help="integrity: MiB hashed in memory and on disk")
     parser.add_argument("--processes", type=int, default=3,
                         help="overhead: pairs of separate trainer / bare-loop processes (0: in-process only)")
     parser.add_argument("--flavors", default=None, help=f"gpu: comma-separated (default {','.join(GPU_FLAVORS)})")
@@ -155,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.suite == "all":
-        suites = [s for s, (_, _, in_all) in available_suites().items()
+        suites = [s for s, (_, _, in_all) in SUITES.items()
                   if in_all and (s != "gpu" or torch.cuda.is_available())]
     else:
         suites = [args.suite]

@@ -133,7 +133,6 @@ def gpu_cases(args) -> list[tuple[str, str, int]]:
 def bench_gpu(args, overrides: list[str], workdir: str) -> dict[str, Any]:
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA device: the GPU suite runs on a GPU machine (trainer bench gpu)"}
-    from trainer.plan import Shape  # noqa: F401  (fail early if the planner is broken)
 
     capacity = torch.cuda.get_device_properties(0).total_memory
     cases = []

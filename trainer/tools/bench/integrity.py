@@ -1,6 +1,7 @@
 """Checkpoint integrity cost: checksum throughput and the time checksums add to a DCP save and a load check.
 
-``python -m trainer.tools.bench_integrity [--mb 256] [--repeats 3] [--folder DIR]`` prints a table:
+``trainer bench integrity [--integrity-mb 256] [--checkpoint-repeats 3]`` (or ``python -m
+trainer.tools.bench.integrity [--mb 256] [--repeats 3] [--folder DIR]``) prints a table:
 
 - hashing an in-memory buffer (the algorithm alone) and a file on disk (read + hash), in MB/s, for each of
   ``xxh3_128`` and ``sha256``;
@@ -106,8 +107,14 @@ def run(mb: int, repeats: int, folder: Path) -> list[tuple[str, str, str]]:
     return rows
 
 
+def bench_integrity(args, overrides: list[str], workdir: str) -> dict:
+    """The suite entry of ``trainer bench``: the rows of :func:`run`, keyed by what and algorithm."""
+    rows = run(getattr(args, "integrity_mb", 256), args.checkpoint_repeats, Path(workdir))
+    return {f"{what} [{algo}]": result for what, algo, result in rows}
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.tools.bench_integrity", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m trainer.tools.bench.integrity", description=__doc__.split("\n")[0])
     parser.add_argument("--mb", type=int, default=256, help="size of the hashed buffer and file (MiB)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--folder", default=None, help="where to write (default: a temporary folder)")
