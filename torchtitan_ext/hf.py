@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tokenizer._policy import align_export
+from tokenizer._policy import align_export, token_string
 from torchtitan_ext.native import load_hf_model, parse_dtype
 from trainer.checkpoint import CheckpointNotFound, checkpoint_model_entries
 from trainer.tools.checkpoint_model import describe_checkpoint
@@ -162,17 +162,6 @@ def save_safetensors_sharded(sd: dict[str, torch.Tensor], folder: Path, max_shar
     return names
 
 
-def _token_string(tokenizer, token_id: int | None) -> str | None:
-    if token_id is None:
-        return None
-    for attr in ("_tok", "_sp"):
-        impl = getattr(tokenizer, attr, None)
-        if impl is not None:
-            fn = getattr(impl, "id_to_token", None) or getattr(impl, "id_to_piece", None)
-            return fn(token_id)
-    return None
-
-
 def write_tokenizer_files(tokenizer, tokenizer_path: Path, folder: Path, model_max_length: int) -> list[str]:
     """Copy/convert the run's tokenizer into ``folder`` so that ``AutoTokenizer`` loads it."""
     src = Path(tokenizer_path)
@@ -191,7 +180,7 @@ def write_tokenizer_files(tokenizer, tokenizer_path: Path, folder: Path, model_m
                    "model_max_length": model_max_length}
             for key, tid in (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id),
                              ("pad_token", tokenizer.pad_id)):
-                tok = _token_string(tokenizer, tid)
+                tok = token_string(tokenizer, tid)
                 if tok is not None:
                     cfg[key] = tok
             (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
@@ -203,7 +192,7 @@ def write_tokenizer_files(tokenizer, tokenizer_path: Path, folder: Path, model_m
                "clean_up_tokenization_spaces": False, "legacy": False, "model_max_length": model_max_length}
         for key, tid in (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id),
                          ("pad_token", tokenizer.pad_id)):
-            tok = _token_string(tokenizer, tid)
+            tok = token_string(tokenizer, tid)
             if tok is not None:
                 cfg[key] = tok
         (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
