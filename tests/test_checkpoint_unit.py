@@ -111,7 +111,7 @@ def test_cli_list_and_inspect(base, tmp_path, capsys):
     assert checkpoint_main(["list", str(bad), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["checkpoints"]
     assert rows[0]["status"] == "corrupt" and "truncated" in rows[0]["reason"]
-    assert checkpoint_main(["inspect", str(bad / "checkpoint" / "step-4")]) == 1
+    assert checkpoint_main(["inspect", str(bad / "checkpoint" / "step-4")]) == 3
     assert "CORRUPT" in capsys.readouterr().out
 
 

@@ -23,6 +23,7 @@ from trainer.checkpoint.layout import (
     tree_size,
     validate_checkpoint,
 )
+from trainer.errors import CheckpointError
 
 _MARKER_FIELDS = ("step", "kind", "dtype", "tokens_seen", "skipped_steps", "lr", "layout", "world_size", "saved_at",
                   "save_seconds", "torch", "dataloader")
@@ -30,7 +31,7 @@ _MARKER_FIELDS = ("step", "kind", "dtype", "tokens_seen", "skipped_steps", "lr",
 
 def _error(msg: str) -> int:
     print(f"error: {msg}", file=sys.stderr)
-    return 1
+    return CheckpointError.exit_code
 
 
 def _rows(folder: Path) -> list[dict[str, Any]]:
@@ -157,7 +158,7 @@ def _inspect(args) -> int:
         print(json.dumps(out, indent=1))
     else:
         _print_description(out)
-    return 0 if out["status"] == "complete" else 1
+    return 0 if out["status"] == "complete" else CheckpointError.exit_code
 
 
 def _verify(args) -> int:
