@@ -223,3 +223,23 @@ def test_validation_loader_is_deterministic_and_rank_balanced(small_corpus):
     for full, b0, b1 in zip(passes[0], *ranks):
         together = sorted(map(tuple, torch.cat([b0["input"], b1["input"]]).tolist()))
         assert together == sorted(map(tuple, full["input"].tolist()))
+
+
+def test_a_dropped_loader_stops_its_prefetch_thread(corpus):
+    import gc
+    import threading
+    import time
+
+    def prefetchers():
+        return [t for t in threading.enumerate() if t.name == "batch-prefetch" and t.is_alive()]
+
+    before = len(prefetchers())
+    loader = build_train_loader(cfg(corpus, **{"data.prefetch_batches": 2}), TOK, dp_rank=0, dp_world_size=1)
+    next(loader)
+    assert len(prefetchers()) == before + 1
+    del loader  # never closed: the thread must not keep the loader (and itself) alive
+    deadline = time.monotonic() + 10
+    while len(prefetchers()) > before and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    assert len(prefetchers()) == before
