@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Sequence
 
-from tokenizer._common import add_specials
+from tokenizer._common import add_specials, read_json_object
 
 # Names tried, in order, when tokenizer_config.json does not name the special tokens.
 BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>")
@@ -46,14 +45,7 @@ class HFTokenizer:
         self.pad_id = self._find_id(names.get("pad_token"), PAD_CANDIDATES)
 
     def _config(self) -> dict:
-        path = self.path.parent / "tokenizer_config.json"
-        if not path.is_file():
-            return {}
-        try:
-            cfg = json.loads(path.read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from None
-        return cfg if isinstance(cfg, dict) else {}
+        return read_json_object(self.path.parent / "tokenizer_config.json")
 
     def _add_declared_specials(self, cfg: dict) -> None:
         """Add the special tokens tokenizer_config.json declares (ids: the tokenizer's next free ones when

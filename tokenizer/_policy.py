@@ -24,6 +24,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenizer._common import read_json_object
+
 logger = logging.getLogger("trainer")
 
 _PROBE = "The end."
@@ -56,21 +58,11 @@ class Separator:
         return self.name == "bos"
 
 
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    return data if isinstance(data, dict) else {}
-
-
 def files_rule(folder: str | Path) -> TokenizerRule | None:
     """The rule of a Hugging Face tokenizer folder (tokenizer.json and/or tokenizer_config.json), as
     ``transformers`` applies it; None when the folder has neither."""
     folder = Path(folder)
-    cfg = _read_json(folder / "tokenizer_config.json")
+    cfg = read_json_object(folder / "tokenizer_config.json")
     if "add_bos_token" in cfg or "add_eos_token" in cfg:
         return TokenizerRule(bool(cfg.get("add_bos_token", False)), bool(cfg.get("add_eos_token", False)),
                              "tokenizer_config.json add_bos_token/add_eos_token")
@@ -171,7 +163,7 @@ def align_exported_tokenizer(folder: str | Path, tokenizer, separator: Separator
     if add_bos and bos is None:  # a tokenizer without token strings (should not happen for BOS separators)
         add_bos = False
     cfg_path = folder / "tokenizer_config.json"
-    cfg = _read_json(cfg_path)
+    cfg = read_json_object(cfg_path)
     cfg["add_bos_token"], cfg["add_eos_token"] = add_bos, False
     cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     tj_path = folder / "tokenizer.json"
