@@ -132,7 +132,7 @@ def test_vs_torchtitan_skips_in_one_line_without_torchtitan(monkeypatch, tmp_pat
 
 def test_step_seeding_matches_manual_seed():
     """The per-step seed reaches the CPU generator exactly as torch.manual_seed would put it."""
-    from trainer.train import seed_step
+    from trainer.setup import seed_step
 
     seed_step(1234, torch.device("cpu"))
     ours = torch.get_rng_state()

@@ -86,9 +86,9 @@ def test_logits_are_freed_before_backward(tmp_path, monkeypatch):
     """The largest activation (vocabulary x tokens) is not kept alive through backward by the loop."""
     import weakref
 
-    from trainer.train import Trainer
+    from trainer import step
 
-    original = Trainer.loss_fn
+    original = step.loss_fn
     alive_at_backward = []
 
     def loss_fn(logits, labels):
@@ -97,7 +97,7 @@ def test_logits_are_freed_before_backward(tmp_path, monkeypatch):
         loss.register_hook(lambda grad: alive_at_backward.append(ref() is not None))  # runs as backward starts
         return loss
 
-    monkeypatch.setattr(Trainer, "loss_fn", staticmethod(loss_fn))
+    monkeypatch.setattr(step, "loss_fn", loss_fn)
     rc, log = train(tmp_path, "--training.steps", "2", "--checkpoint.enable", "false", monkeypatch=monkeypatch)
     assert rc == 0, log
     assert alive_at_backward == [False, False]

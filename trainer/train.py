@@ -8,9 +8,8 @@ materialise and initialise -> optimizer and LR schedule -> checkpoints (resume) 
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import errno
+import functools
 import gc
 import json
 import logging
@@ -19,15 +18,13 @@ import signal
 import socket
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.profiler import record_function
 
-from trainer import compat, launch, logs, observability, preemption, runlock
+from trainer import compat, launch, logs, observability, preemption, runlock, step as steps
 from trainer.callbacks import CallbackList, RunView, build_callbacks
 from trainer.checkpoint import CheckpointManager, TrainState
 from trainer.config import JobConfig, help_text, load_config, to_toml, validate
@@ -40,12 +37,18 @@ from trainer.fingerprint import sequence_fingerprint, wrap_int64
 from trainer.metrics import MetricsWriter, Throughput, console_line, format_eta, memory_gib, peak_tflops, use_color
 from trainer.models import resolve_model_args
 from trainer.models.llama import Transformer, flops_per_token, model_num_params
-from trainer.optim import LRSchedule, build_optimizer, step_unless, supports_device_skip
-from trainer.parallel.dims import ParallelDims, device_type
-from trainer.parallel.init import init_weights
+from trainer.optim import LRSchedule, build_optimizer, supports_device_skip
+from trainer.parallel.dims import ParallelDims
 from trainer.parallel.float8 import register_float8_scale_precompute
-from trainer.parallel.parallelize import DTYPES, parallelize, set_compile_cache
-from trainer.parallel.pipeline import build_schedule, build_stage_model, plan_stages, schedule_name
+from trainer.parallel.parallelize import DTYPES, set_compile_cache
+from trainer.setup import (
+    build_model_parts,
+    configure_determinism,
+    init_device,
+    init_process_group,
+    seed_step,
+    set_train_timeout,
+)
 
 logger = logging.getLogger("trainer")
 
@@ -107,18 +110,27 @@ class Trainer:
         self.compute_dtype = DTYPES[config.training.mixed_precision_param]
         if self.device.type == "cpu" and not config.explicitly_set("training.mixed_precision_param"):
             self.compute_dtype = torch.float32
-        self.model_parts, self.pp_schedule = self.build_model_parts(template)
+        self.parallel_loss = steps.uses_loss_parallel(self.dims.tp, config.parallelism.disable_loss_parallel)
+        self.loss_fn = steps.loss_fn
+        if config.compile.enable and "loss" in config.compile.components and not self.parallel_loss:
+            self.loss_fn = torch.compile(steps.loss_fn, backend=config.compile.backend)
+        # Callbacks' loss terms; the view they take is built later, with the optimizer (build_state).
+        self.extra_loss = lambda logits, loss, tokens: self.callbacks.extra_loss(self.run_view, logits, loss, tokens)
+        self.pipeline_loss = steps.PipelineLoss(self.loss_fn, self.extra_loss)
+        built = build_model_parts(template, config, self.dims, self.mesh, device=self.device,
+                                  compute_dtype=self.compute_dtype, init_seed=self.seed,
+                                  pipeline_loss=self.pipeline_loss)
+        self.model_parts, self.pp_schedule = built.parts, built.schedule
+        self.pp_has_first, self.pp_has_last = built.has_first, built.has_last
         # Without pipelining the whole model is one part; with it, self.model is None.
         self.model = self.model_parts[0] if self.pp_schedule is None else None
+        self.pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
+        # The step's loss over all ranks (a collective): for the log and for callbacks.
+        self.global_loss = functools.partial(steps.global_loss, pp_group=self.pp_group,
+                                             dp_group=self.dims.dp_mesh.get_group(), dp=self.dims.dp)
         if config.model.print_after_conversion:
             logger.info("model after conversion and parallelization:\n%s", self.model_parts)
-        if config.compile.enable and "loss" in config.compile.components and not self.uses_loss_parallel:
-            self.loss_fn = torch.compile(Trainer.loss_fn, backend=config.compile.backend)
-        self.autocast = (
-            torch.autocast(self.device.type, dtype=self.compute_dtype)
-            if self.compute_dtype != torch.float32 and not self.dims.fsdp_enabled
-            else contextlib.nullcontext()
-        )
+        self.autocast = steps.autocast(self.device.type, self.compute_dtype, self.dims.fsdp_enabled)
 
     def build_optimizer(self) -> None:
         config = self.config
@@ -170,54 +182,9 @@ class Trainer:
             finish_checkpoints=lambda: self.checkpointer.finish(),
         )
 
-    def build_model_parts(self, template: torch.nn.Module):
-        """Convert, parallelize, materialise and initialise the model, or this rank's pipeline stages.
-
-        Returns the model parts and the pipeline schedule (None without pipelining)."""
-        config = self.config
-        if self.dims.pp == 1:
-            parts, stage_ids, plan = [copy.deepcopy(template)], None, None
-        else:
-            plan = plan_stages(config, self.model_args.n_layers)
-            stage_ids = plan.stages_of_rank(self.mesh["pp"].get_local_rank(), self.dims.pp,
-                                            schedule_name(config.parallelism.pipeline_parallel_schedule))
-            parts = [build_stage_model(template, plan.modules[i]) for i in stage_ids]
-        for part in parts:
-            stage_template = copy.deepcopy(part)
-            apply_converters(part, config)
-            parallelize(part, self.dims, self.mesh, config, param_dtype=self.compute_dtype)
-            part.to_empty(device=self.device)
-            init_weights(part, stage_template, self.seed, self.device)
-        if plan is None:
-            return parts, None
-        self.pp_has_first = 0 in stage_ids
-        self.pp_has_last = plan.num_stages - 1 in stage_ids
-        schedule = build_schedule(parts, stage_ids, plan.num_stages, self.mesh["pp"], self.device, config,
-                                     self.pipeline_loss)
-        logger.info("pipeline: %d stages, this rank holds %s: %s", plan.num_stages, stage_ids,
-                    [plan.modules[i] for i in stage_ids])
-        return parts, schedule
-
     # ------------------------------------------------------------------------------------------------
     # One step
     # ------------------------------------------------------------------------------------------------
-
-    @property
-    def uses_loss_parallel(self) -> bool:
-        return self.dims.tp > 1 and not self.config.parallelism.disable_loss_parallel
-
-    def loss_parallel(self):
-        """Context for the loss and its backward: cross-entropy on vocabulary shards under TP.
-        (Not re-entrant: leaving a nested loss_parallel context removes its handlers.)"""
-        if self.uses_loss_parallel:
-            return torch.distributed.tensor.parallel.loss_parallel()
-        return contextlib.nullcontext()
-
-    @staticmethod
-    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Sum of token cross-entropies (float32); callers divide by the step's token count."""
-        # Mean then scale: loss-parallel cross-entropy supports the mean reduction.
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1)) * labels.numel()
 
     def next_micro_batches(self) -> list[dict[str, torch.Tensor]]:
         t0 = time.perf_counter()
@@ -225,63 +192,6 @@ class Trainer:
             batches = [next(self.data_iter) for _ in range(self.accum_steps)]
         self.throughput.data_wait += time.perf_counter() - t0
         return batches
-
-    def pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Loss of one pipeline micro-batch, normalised by the rank's tokens in the whole step. (Runs
-        inside the schedule, which forward_backward wraps in the loss-parallel context.)"""
-        loss = self.loss_fn(logits, labels) / self._tokens_per_rank
-        return self.callbacks.extra_loss(self.run_view, logits, loss, self._tokens_per_rank)
-
-    def forward_backward(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """Accumulate gradients over the micro-batches; returns this rank's mean token loss (detached).
-        Under pipelining only ranks holding the last stage have a loss; the others return 0."""
-        tokens_per_rank = sum(b["labels"].numel() for b in batches)
-        total = torch.zeros((), device=self.device)
-        if self.pp_schedule is not None:
-            self._tokens_per_rank = tokens_per_rank
-            for batch in batches:
-                inputs = batch["input"].to(self.device, non_blocking=True)
-                labels = batch["labels"].to(self.device, non_blocking=True)
-                losses: list[torch.Tensor] = []
-                args = (inputs,) if self.pp_has_first else ()
-                kwargs = {"target": labels, "losses": losses} if self.pp_has_last else {}
-                with record_function("forward_backward"), self.autocast, self.loss_parallel():
-                    self.pp_schedule.step(*args, **kwargs, return_outputs=False)
-                for loss in losses:
-                    total += plain(loss.detach())
-            return total
-        for batch in batches:
-            inputs = batch["input"].to(self.device, non_blocking=True)
-            labels = batch["labels"].to(self.device, non_blocking=True)
-            with record_function("forward"), self.autocast:
-                logits = self.model(inputs)
-            # Loss parallel needs backward inside its context too.
-            with self.loss_parallel():
-                with record_function("loss"):
-                    loss = self.loss_fn(logits, labels) / tokens_per_rank
-                    loss = self.callbacks.extra_loss(self.run_view, logits, loss, tokens_per_rank)
-                # The loss saved what its backward needs (the log-softmax); the logits themselves
-                # (vocabulary x tokens, the largest activation) would otherwise live through backward.
-                del logits
-                with record_function("backward"):
-                    loss.backward()
-            total += plain(loss.detach())
-        return total
-
-    def clip_grad_norm(self) -> torch.Tensor:
-        """Global gradient norm over every parameter (all shards, all pipeline stages); clips in place."""
-        params = [p for part in self.model_parts for p in part.parameters() if p.grad is not None]
-        grads = [p.grad for p in params]
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-        if isinstance(norm, torch.distributed.tensor.DTensor):
-            norm = norm.full_tensor()
-        if self.dims.pp > 1:
-            squared = norm.pow(2)
-            dist.all_reduce(squared, group=self.mesh["pp"].get_group())
-            norm = squared.sqrt()
-        if self.config.training.max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.config.training.max_norm, norm, foreach=True)
-        return norm
 
     def train_step(self, step: int) -> dict:
         """One optimizer step. Nothing here reads a device value on the host: a guard's verdict stays a
@@ -296,13 +206,19 @@ class Trainer:
             skip: bool | torch.Tensor = True
             loss = grad_norm = torch.full((), float("nan"), device=self.device)
         else:
-            loss = self.forward_backward(batches)
+            if self.pp_schedule is None:
+                loss = steps.forward_backward(self.model, batches, device=self.device, autocast=self.autocast,
+                                              parallel_loss=self.parallel_loss, loss_fn=self.loss_fn,
+                                              extra_loss=self.extra_loss)
+            else:
+                loss = steps.forward_backward_pipeline(
+                    self.pp_schedule, batches, pipeline_loss=self.pipeline_loss, device=self.device,
+                    autocast=self.autocast, parallel_loss=self.parallel_loss, has_first=self.pp_has_first,
+                    has_last=self.pp_has_last)
             with record_function("optimizer"):
-                grad_norm = self.clip_grad_norm()
-                skip = self.callbacks.should_skip(self.run_view, step, loss, grad_norm)
-                step_unless(self.optimizer, skip)
-                self.optimizer.zero_grad(set_to_none=True)
-            skip = False if skip is None else skip
+                grad_norm, skip = steps.clip_and_step(
+                    self.model_parts, self.optimizer, max_norm=self.config.training.max_norm, pp_group=self.pp_group,
+                    should_skip=lambda norm: self.callbacks.should_skip(self.run_view, step, loss, norm))
         tokens = sum(b["labels"].numel() for b in batches)
         self.state.step = step
         self.state.tokens_seen += tokens * self.dims.dp
@@ -315,17 +231,6 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------
     # Logging and validation
     # ------------------------------------------------------------------------------------------------
-
-    def global_loss(self, local_loss: torch.Tensor) -> torch.Tensor:
-        """The step's mean token loss over all ranks: summed over pipeline stages (only the last has
-        it), averaged over data-parallel ranks. A collective: every rank must call it."""
-        loss = local_loss.detach().clone()
-        if self.dims.pp > 1:
-            dist.all_reduce(loss, group=self.mesh["pp"].get_group())
-        if self.dims.dp > 1:
-            dist.all_reduce(loss, group=self.dims.dp_mesh.get_group())
-            loss /= self.dims.dp
-        return loss
 
     def log_step(self, step: int, out: dict) -> None:
         """All-reduce the step's loss over data-parallel ranks and write one record."""
@@ -401,8 +306,8 @@ class Trainer:
             labels = batch["labels"].to(self.device)
             with self.autocast:
                 logits = self.model(inputs)
-            with self.loss_parallel():
-                total += plain(self.loss_fn(logits, labels))
+            with steps.loss_parallel(self.parallel_loss):
+                total += steps.plain(self.loss_fn(logits, labels))
             count += labels.numel()
         self.model.train()
         if self.dims.dp > 1:
@@ -477,58 +382,6 @@ def batch_fingerprint(batch: dict) -> int:
     return sequence_fingerprint(batch["input"], batch["labels"]) if fingerprint is None else fingerprint
 
 
-def plain(t: torch.Tensor) -> torch.Tensor:
-    """A replicated DTensor (e.g. the loss under loss parallel) as an ordinary tensor."""
-    return t.full_tensor() if isinstance(t, torch.distributed.tensor.DTensor) else t
-
-
-# --------------------------------------------------------------------------------------------------
-# Process setup
-# --------------------------------------------------------------------------------------------------
-
-
-def init_device() -> torch.device:
-    if device_type() == "cuda":
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local_rank)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
-def init_process_group(device: torch.device, timeout_s: int) -> None:
-    if dist.is_initialized():
-        return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    # CPU collectives (fingerprints, loader state) go over gloo even when the GPUs use NCCL.
-    backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
-
-
-def set_train_timeout(seconds: int) -> None:
-    """After the first step, a collective that waits this long means a hung rank: fail fast.
-
-    torch's ``_set_pg_timeout`` changes one group only, so it is applied to the default group and to every
-    group the device mesh created (``mesh_*``: FSDP/HSDP, TP, PP collectives), NCCL and gloo backends
-    alike. Groups made elsewhere with their own timeout (checkpoint saves) keep theirs."""
-    try:
-        from torch.distributed.distributed_c10d import _get_default_group, _set_pg_timeout, _world
-
-        default = _get_default_group()
-        groups = [pg for pg in list(_world.pg_map)
-                  if pg is default or str(getattr(pg, "group_desc", "")).startswith("mesh_")]
-        for pg in groups:
-            _set_pg_timeout(timedelta(seconds=seconds), pg)
-        logger.info("collective timeout now %d s on %d process group(s) (comm.train_timeout_seconds)",
-                    seconds, len(groups))
-    except Exception as e:  # older/other backends: keep the start-up timeout
-        logger.warning("could not shorten the collective timeout: %s", e)
-
-
 def crash_for_drill(config: JobConfig, rank: int, step: int) -> None:
     """debug.crash_at_step: SIGKILL this rank before the step, on torchrun's first attempt only."""
     d = config.debug
@@ -589,34 +442,6 @@ def pending_collective() -> str:
                 f"{e.get('timeout_ms', '?')} ms")
     except Exception as err:  # diagnosis must never mask the original error
         return f"collective unknown ({err})"
-
-
-def seed_step(seed: int, device: torch.device) -> None:
-    """Seed the generators a step can draw from: the CPU's and this rank's device's, so that whatever a step
-    draws is a function of (seed, step) alone, through a resume too. Each gets the same seed
-    ``torch.manual_seed`` would give it; that call also seeds every other device type, and where one is not
-    initialised (CUDA on a CPU host) it formats a stack trace per call: 1-3 ms a step for generators this
-    rank never draws from."""
-    torch.default_generator.manual_seed(seed)
-    if device.type != "cpu":
-        torch.get_device_module(device.type).manual_seed(seed)
-
-
-def configure_determinism(config: JobConfig, device: torch.device) -> None:
-    seed = 0 if config.debug.seed is None else config.debug.seed
-    torch.manual_seed(seed)
-    if config.debug.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=config.debug.deterministic_warn_only)
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.benchmark = False
-
-
-def apply_converters(model: torch.nn.Module, config: JobConfig) -> None:
-    if "quantize.linear.float8" in config.model.converters:
-        from trainer.parallel.float8 import convert_to_float8
-
-        convert_to_float8(model, config)
 
 
 def dry_run(config: JobConfig) -> None:

@@ -14,13 +14,13 @@
   unreduced input of a reduce-scatter, the tensor of an all-reduce; a ring moves (n-1)/n of that per rank.
   Pipeline sends and receives are counted where the step driver makes them (see ``_step_pipeline``).
 
-The step is the trainer's (``Trainer.forward_backward``, ``Trainer.loss_fn``, ``Trainer.clip_grad_norm``,
-``optimizer.step``) for one micro-batch, in steady state: the optimizer state exists before the step
-(created by an untracked step with zero gradients), as it does from the second step of a run on.
-With pipelining, the rank's stage runs the micro-batches in the order of torch's ``Schedule1F1B`` or
-``ScheduleGPipe`` and hands FSDP its gradients the way ``PipelineStage`` does (no reduction until the last
-micro-batch's backward, then one reduce-scatter); the real schedule object is not used because its
-metadata handshake needs real peers.
+The step is the trainer's own (trainer/step.py: ``forward_backward``, ``clip_and_step``) for one
+micro-batch, in steady state: the optimizer state exists before the step (created by an untracked step with
+zero gradients), as it does from the second step of a run on. With pipelining, the rank's stage runs the
+micro-batches in the order of torch's ``Schedule1F1B`` or ``ScheduleGPipe``, with the trainer's
+``PipelineLoss`` on the last stage, and hands FSDP its gradients the way ``PipelineStage`` does (no
+reduction until the last micro-batch's backward, then one reduce-scatter); the real schedule object is not
+used because its metadata handshake needs real peers.
 """
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from trainer import step as steps
 from trainer.simulate.world import SIM_DEVICE, Layout, RankView, group_labels
 
 # --------------------------------------------------------------------------------------------------
@@ -244,16 +244,12 @@ class StepResult:
     seconds: float = 0.0
 
 
-def _loss_parallel(view: RankView, config):
-    if view.dims.tp > 1 and not config.parallelism.disable_loss_parallel:
-        return torch.distributed.tensor.parallel.loss_parallel()
-    return contextlib.nullcontext()
+def _parallel_loss(view: RankView, config) -> bool:
+    return steps.uses_loss_parallel(view.dims.tp, config.parallelism.disable_loss_parallel)
 
 
 def _autocast(view: RankView):
-    if view.compute_dtype != torch.float32 and not view.dims.fsdp_enabled:
-        return torch.autocast(SIM_DEVICE, dtype=view.compute_dtype)
-    return contextlib.nullcontext()
+    return steps.autocast(SIM_DEVICE, view.compute_dtype, view.dims.fsdp_enabled)
 
 
 def prime_optimizer(view: RankView) -> None:
@@ -267,18 +263,14 @@ def prime_optimizer(view: RankView) -> None:
 
 
 def _step_plain(view: RankView, config, batch, phase: Phase) -> None:
-    """``Trainer.forward_backward`` for one micro-batch without pipelining."""
-    from trainer.train import Trainer
-
-    model = view.parts[0]
+    """The trainer's ``forward_backward`` for one micro-batch without pipelining. Its ranges are the phases,
+    the loss counting as forward; the loss total it keeps (two scalars, before the forward and after the
+    backward) counts as backward, where it adds no peak."""
     inputs, labels = batch
-    with phase("forward"), _autocast(view):
-        logits = model(inputs)
-    with _loss_parallel(view, config):
-        with phase("forward"):
-            loss = Trainer.loss_fn(logits, labels) / labels.numel()
-        with phase("backward"):
-            loss.backward()
+    with phase("backward"):
+        steps.forward_backward(view.parts[0], [{"input": inputs, "labels": labels}], device=SIM_DEVICE,
+                               autocast=_autocast(view), parallel_loss=_parallel_loss(view, config),
+                               loss_fn=steps.loss_fn, mark=lambda name: phase("forward" if name == "loss" else name))
 
 
 def schedule_order(schedule: str, stage: int, num_stages: int, n_micro: int) -> list[tuple[str, int]]:
@@ -324,8 +316,6 @@ def _step_pipeline(view: RankView, config, layout: Layout, batch, phase: Phase, 
     would make them (one tensor each way per micro-batch, on the pp group)."""
     from torch.distributed.fsdp import FSDPModule
 
-    from trainer.train import Trainer
-
     part = view.parts[0]
     stage = view.stage_ids[0]
     inputs, labels = batch
@@ -333,7 +323,9 @@ def _step_pipeline(view: RankView, config, layout: Layout, batch, phase: Phase, 
     seq = inputs.shape[1] // (max(1, view.dims.tp))
     act_dtype = view.compute_dtype if view.dims.fsdp_enabled else torch.float32
     fsdp = isinstance(part, FSDPModule)
-    tokens = labels.numel()
+    pipeline_loss = steps.PipelineLoss(steps.loss_fn)
+    pipeline_loss.tokens_per_rank = labels.numel()
+    parallel_loss = _parallel_loss(view, config)
     pp_size = view.dims.pp
     live: dict[int, tuple] = {}
     for op, i in schedule_order(layout.schedule, stage, view.num_stages, n_micro):
@@ -350,8 +342,8 @@ def _step_pipeline(view: RankView, config, layout: Layout, batch, phase: Phase, 
                 with _autocast(view):
                     out = part(x)
                 if view.last:
-                    with _loss_parallel(view, config):
-                        out = Trainer.loss_fn(out, labels[rows]) / tokens
+                    with steps.loss_parallel(parallel_loss):
+                        out = pipeline_loss(out, labels[rows])
                 else:
                     counter.record("send", "pp", pp_size, _nbytes(out))
             live[i] = (x, out)
@@ -363,7 +355,7 @@ def _step_pipeline(view: RankView, config, layout: Layout, batch, phase: Phase, 
             part.set_requires_gradient_sync(False)
         with phase("backward"):
             if view.last:
-                with _loss_parallel(view, config):
+                with steps.loss_parallel(parallel_loss):
                     out.backward()
             else:
                 grad = torch.empty_like(out)
@@ -378,12 +370,9 @@ def _step_pipeline(view: RankView, config, layout: Layout, batch, phase: Phase, 
 
 
 def _clip_and_step(view: RankView, config) -> None:
-    """``Trainer.clip_grad_norm`` (global norm over all shards and stages), AdamW, zero_grad."""
-    from trainer.train import Trainer
-
-    Trainer.clip_grad_norm(SimpleNamespace(model_parts=view.parts, dims=view.dims, mesh=view.mesh, config=config))
-    view.optimizer.step()
-    view.optimizer.zero_grad(set_to_none=True)
+    """The trainer's ``clip_and_step``: global norm over all shards and stages, AdamW, zero_grad."""
+    pp_group = view.mesh["pp"].get_group() if view.dims.pp > 1 else None
+    steps.clip_and_step(view.parts, view.optimizer, max_norm=config.training.max_norm, pp_group=pp_group)
 
 
 def fake_batch(config, args):

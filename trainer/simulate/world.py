@@ -1,13 +1,14 @@
 """A simulated world: the fake process group, fake tensors, the checks a layout must pass, and one rank's
-model parts built by the trainer's own code.
+model parts built by the trainer's own builder.
 
-The build follows ``Trainer.build_model_parts`` (trainer/train.py): the model on the meta device, this
-rank's pipeline stage (``plan_stages``, ``build_stage_model``), ``parallelize`` (TP, activation
-checkpointing, FSDP2/HSDP), ``to_empty``, then ``build_optimizer``. Differences, on purpose:
+The build is training's (``trainer.setup.build_model_parts``: the model on the meta device, this rank's
+pipeline stage, ``parallelize`` with TP, activation checkpointing, FSDP2/HSDP, ``to_empty``), then
+``build_optimizer``. Its parameters differ, on purpose:
 
 * ``to_empty`` runs under ``FakeTensorMode``: parameters, gradients and optimizer state are fake tensors
   (shape, dtype, no storage), so a 405B model's shards cost nothing.
 * No weight initialisation (``init_weights``): values do not change shapes, memory or communication.
+* No pipeline schedule: the step drives the stage itself (the schedule's handshake needs real peers).
 * ``torch.compile``, float8 and async TP are switched off (they need a GPU); the step is eager bf16, the
   regime ``trainer plan`` models.
 """
@@ -26,16 +27,11 @@ from torch import nn
 from trainer.config import JobConfig, validate
 from trainer.data.checks import grad_accum_steps
 from trainer.errors import ConfigError
+from trainer.parallel import clean_fqn
 from trainer.parallel.dims import ParallelDims
-from trainer.parallel.parallelize import DTYPES, parallelize
-from trainer.parallel.pipeline import (
-    SINGLE_STAGE,
-    StagePlan,
-    build_stage_model,
-    n_microbatches,
-    plan_stages,
-    schedule_name,
-)
+from trainer.parallel.parallelize import DTYPES
+from trainer.parallel.pipeline import SINGLE_STAGE, StagePlan, n_microbatches, plan_stages, schedule_name
+from trainer.setup import build_model_parts
 
 SIM_DEVICE = "cpu"  # the fake tensors' device; nothing is allocated on it
 
@@ -181,7 +177,7 @@ class RankView:
     parts: list[nn.Module]
     stage_ids: list[int] | None
     num_stages: int
-    param_shapes: dict[str, tuple[int, ...]]  # this rank's parameters before parallelize (full shapes)
+    param_shapes: dict[str, tuple[int, ...]]  # this rank's parameters, full (unsharded) shapes
     optimizer: torch.optim.Optimizer
     compute_dtype: torch.dtype
 
@@ -204,21 +200,15 @@ def build_rank_view(config: JobConfig, args, layout: Layout, rank: int, mode) ->
     compute_dtype = DTYPES[config.training.mixed_precision_param]
     with torch.device("meta"):
         template = Transformer(args)
-    if dims.pp == 1:
-        stage_ids, parts = None, [copy.deepcopy(template)]
-    else:
-        plan = layout.stage_plan
-        stage_ids = plan.stages_of_rank(mesh["pp"].get_local_rank(), dims.pp, layout.schedule)
-        parts = [build_stage_model(template, plan.modules[i]) for i in stage_ids]
-    shapes = {n: tuple(p.shape) for part in parts for n, p in part.named_parameters()}
-    for part in parts:
-        parallelize(part, dims, mesh, config, param_dtype=compute_dtype)
-        with mode:
-            part.to_empty(device=SIM_DEVICE)
+    built = build_model_parts(template, config, dims, mesh, device=SIM_DEVICE, compute_dtype=compute_dtype,
+                              init_seed=None, materialize_in=lambda: mode)
+    parts = built.parts
+    # A sharded parameter is a DTensor: its shape is the full one.
+    shapes = {clean_fqn(n): tuple(p.shape) for part in parts for n, p in part.named_parameters()}
     with mode:
         optimizer = build_optimizer([np for part in parts for np in part.named_parameters()], config.optimizer)
     coordinate = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
-    return RankView(rank=rank, coordinate=coordinate, dims=dims, mesh=mesh, parts=parts, stage_ids=stage_ids,
+    return RankView(rank=rank, coordinate=coordinate, dims=dims, mesh=mesh, parts=parts, stage_ids=built.stage_ids,
                     num_stages=layout.num_stages, param_shapes=shapes, optimizer=optimizer,
                     compute_dtype=compute_dtype)
 

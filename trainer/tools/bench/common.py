@@ -183,7 +183,7 @@ class BareLoop:
         # float8 Linear layers, activation checkpointing, per-block compile (thin wrappers over torchao,
         # torch.utils.checkpoint and torch.compile).
         if config.model.converters:
-            from trainer.train import apply_converters
+            from trainer.setup import apply_converters
 
             apply_converters(model, config)
         model.load_state_dict(state)
