@@ -48,8 +48,9 @@ micro-batch, ``P`` parameters held by this rank: matrices / tp (norms are replic
   With tensor (sequence) parallel everything is divided by tp except the all-gathered inputs of the
   attention and MLP Linears (``k*c*h`` resp. ``c*h`` per norm), which are saved whole.
   Outside the layers: the final norm (1 consumer) and the loss at its peak (start of its backward):
-  ``(c + 12)*V/tp`` (logits, float32 log-softmax output, the gradient flowing into it and out of it);
-  ``(c + 16)*V/tp`` under TP, whose loss-parallel backward holds one more float32 vocabulary shard.
+  ``12*V/tp`` (float32 log-softmax output, the gradient flowing into it and out of it); ``16*V/tp`` under
+  TP, whose loss-parallel backward holds one more float32 vocabulary shard. The step frees the logits
+  before backward; a pipeline stage keeps its output (the logits) until its backward: ``c*V/tp`` more.
 * total = the largest of three moments of a steady-state step (gradients are ``None`` until backward
   makes them), checked against ``trainer simulate`` (the real code on fake tensors, docs/performance.md):
   the loss's backward (every block's activations, the loss at its peak, no gradients yet, FSDP holding
@@ -281,10 +282,11 @@ def layers_activation_bytes(s: Shape, p: Precision, layers: int, tokens: int, ac
     return {"layers": kept, "recompute": recompute}
 
 
-def head_bytes(s: Shape, p: Precision, tokens: int, tp: int = 1) -> dict:
-    """Final norm and loss (logits, fp32 log-softmax, its gradient in and out; under TP, loss parallel's
-    backward holds one more float32 tensor of the vocabulary shard), per micro-batch."""
-    per_vocab = p.compute + (16 if tp > 1 else 12)
+def head_bytes(s: Shape, p: Precision, tokens: int, tp: int = 1, logits_kept: bool = False) -> dict:
+    """Final norm and loss (fp32 log-softmax, its gradient in and out; under TP, loss parallel's backward
+    holds one more float32 tensor of the vocabulary shard; the logits when the pipeline stage keeps them),
+    per micro-batch."""
+    per_vocab = (p.compute if logits_kept else 0) + (16 if tp > 1 else 12)
     return {"final_norm": norm_bytes(s, p, 1, tp) * tokens, "loss": per_vocab * s.vocab / tp * tokens}
 
 
@@ -350,7 +352,7 @@ def memory_estimate(s: Shape, layout: Layout, *, compute_dtype: str = "bfloat16"
         out["activations"] = act["layers"] * in_flight
         out["recompute"] = act["recompute"]
         if last:
-            head = head_bytes(s, p, tokens, tp)
+            head = head_bytes(s, p, tokens, tp, logits_kept=pp > 1)
             out["final_norm"] = head["final_norm"]
             out["loss"] = head["loss"]
         else:
