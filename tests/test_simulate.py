@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from trainer.config import load_config
-from trainer.simulate.cli import collective_rows, main, memory_rows, simulate
+from trainer.tools.simulate.cli import collective_rows, main, memory_rows, simulate
 
 from .utils import ROOT
 

@@ -539,7 +539,7 @@ def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | No
                   "ffn_hidden_dim": args.ffn_hidden_dim},
         "flops_formula": "6 * N_non_embedding + 12 * n_layers * n_heads * head_dim * seq_len (PaLM, appendix B)",
         "memory_formula": "per token per layer: norm(3) + 2*c*h + 2*c*kv + 4*n_heads + norm(2) + 4*c*F, norm(k) = "
-                          "r*h + 4 + (r*h if r == c else k*c*h); see trainer/plan.py and docs/performance.md",
+                          "r*h + 4 + (r*h if r == c else k*c*h); see trainer/tools/plan.py and docs/performance.md",
         "gpu": {"name": gpu, "memory_gib": round(capacity / GiB, 2), "usable_fraction": usable_fraction},
         "ngpu": ngpu,
         "configured": {"layout": layout_json(configured), "estimate_gib": est_gib(est),

@@ -92,7 +92,7 @@ class ProgressBar:
 
 
 def estimate_seconds(args, layout, roles: int) -> float:
-    from trainer.simulate.analytic import stage_of
+    from trainer.tools.simulate.analytic import stage_of
 
     per_block = SECONDS_PER_BLOCK["tp" if layout.dims.tp > 1 else "no_tp"]
     plan = layout.stage_plan
@@ -103,8 +103,8 @@ def estimate_seconds(args, layout, roles: int) -> float:
 
 def simulate_role(config, args, layout, world_size: int, rank: int, label: str, quiet: bool) -> dict:
     """Build and step one rank; returns its measurements and the analytic numbers beside them."""
-    from trainer.simulate import world
-    from trainer.simulate.step import run_step
+    from trainer.tools.simulate import world
+    from trainer.tools.simulate.step import run_step
 
     stage_layers = _stage_for_rank(args, layout, rank).layers
     bar = None if quiet else ProgressBar(label, stage_layers * layout.microbatches)
@@ -152,7 +152,7 @@ def _role_process(config, args, layout, world_size: int, rank: int, label: str, 
 
 
 def _stage_for_rank(args, layout, rank: int):
-    from trainer.simulate.analytic import stage_of
+    from trainer.tools.simulate.analytic import stage_of
 
     if layout.stage_plan is None:
         return stage_of(args.n_layers, None)
@@ -164,8 +164,8 @@ def _stage_for_rank(args, layout, rank: int):
 def analytic_for(config, args, layout, view) -> dict:
     """The formulas' numbers for this rank (bytes and FLOPs per micro-batch; see analytic.py)."""
     from trainer.parallel.parallelize import DTYPES
-    from trainer.plan import Shape
-    from trainer.simulate import analytic
+    from trainer.tools.plan import Shape
+    from trainer.tools.simulate import analytic
 
     s = Shape.from_args(args)
     dims, t = layout.dims, config.training
@@ -173,7 +173,7 @@ def analytic_for(config, args, layout, view) -> dict:
     c = DTYPES[t.mixed_precision_param].itemsize
     r = DTYPES[t.mixed_precision_reduce].itemsize
     tokens = t.local_batch_size * t.seq_len
-    from trainer.plan import _ac_name
+    from trainer.tools.plan import _ac_name
 
     ac = _ac_name(config)
     comm = {}
@@ -296,8 +296,8 @@ def format_report(report: dict) -> str:
 def simulate(config, ngpu: int, layers: int | None = None, ranks: list[int] | None = None,
              quiet: bool = True) -> dict[str, Any]:
     """Everything ``trainer simulate`` reports, as a JSON-able dict (raises ConfigError)."""
-    from trainer.plan import model_args_for_plan
-    from trainer.simulate import world
+    from trainer.tools.plan import model_args_for_plan
+    from trainer.tools.simulate import world
 
     config, notes = world.simulation_config(config)
     args, note = model_args_for_plan(config)
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    from trainer.plan import print_report
+    from trainer.tools.plan import print_report
 
     print_report(report, format_report, args.json)
     return 0

@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from trainer import step as steps
-from trainer.simulate.world import SIM_DEVICE, Layout, RankView, group_labels
+from trainer.tools.simulate.world import SIM_DEVICE, Layout, RankView, group_labels
 
 # --------------------------------------------------------------------------------------------------
 # Counting FLOPs and collectives
