@@ -31,7 +31,7 @@ from trainer.parallel import clean_fqn
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.parallelize import DTYPES
 from trainer.parallel.pipeline import SINGLE_STAGE, StagePlan, n_microbatches, plan_stages, schedule_name
-from trainer.setup import build_model_parts
+from trainer import setup
 
 SIM_DEVICE = "cpu"  # the fake tensors' device; nothing is allocated on it
 
@@ -200,7 +200,7 @@ def build_rank_view(config: JobConfig, args, layout: Layout, rank: int, mode) ->
     compute_dtype = DTYPES[config.training.mixed_precision_param]
     with torch.device("meta"):
         template = Transformer(args)
-    built = build_model_parts(template, config, dims, mesh, device=SIM_DEVICE, compute_dtype=compute_dtype,
+    built = setup.build_model_parts(template, config, dims, mesh, device=SIM_DEVICE, compute_dtype=compute_dtype,
                               init_seed=None, materialize_in=lambda: mode)
     parts = built.parts
     # A sharded parameter is a DTensor: its shape is the full one.
