@@ -29,7 +29,7 @@ from tests.utils import ROOT, run_train
 from trainer import logs, observability
 from trainer.config import ConfigError, load_config
 from trainer.metrics import MetricsWriter, console_line, use_color
-from trainer.observability import MemorySnapshots, Observability, Profiler, Watchdog
+from trainer.observability import MemorySnapshots, Observability, ObservedRun, Profiler, Watchdog
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 STEP_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \[rank (\d+)\] INFO step +(\d+) ")
@@ -66,10 +66,10 @@ def fake_trainer(tmp_path: Path, *args: str, device: str = "cpu", metrics: bool 
     config = load_config(["--job.dump_folder", str(tmp_path), "--training.steps", "3", *args], env={})
     state = types.SimpleNamespace(step=0, tokens_seen=0, skipped_steps=0)
     writer = MetricsWriter(tmp_path, enabled=True, tensorboard_dir=None) if metrics else None
-    return types.SimpleNamespace(
+    return ObservedRun(
         config=config, rank=0, world_size=1, is_logging_rank=True, device=types.SimpleNamespace(type=device),
-        state=state, metrics=writer, flops_per_token=1000, throughput=types.SimpleNamespace(peak=1e-6),
-        checkpointer=types.SimpleNamespace(enabled=True, saves=2),
+        state=state, metrics=writer, flops_per_token=1000, peak_tflops=1e-6,
+        checkpointer=types.SimpleNamespace(enabled=True, saves=2, failures=0),
     )
 
 

@@ -21,11 +21,15 @@ import logging
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from trainer.errors import TrainerError
+
+if TYPE_CHECKING:
+    from trainer.checkpoint import CheckpointManager
 
 logger = logging.getLogger("trainer")
 
@@ -98,19 +102,13 @@ class PreemptionHandler:
         return int(t.item())
 
 
-def stop(trainer, step: int, signum: int) -> None:
+def stop(checkpointer: CheckpointManager, step: int, signum: int) -> None:
     """All ranks: wait for a background save, save a full checkpoint of ``step`` and raise :class:`Preempted`."""
     name = signal.Signals(signum).name
-    ckpt = trainer.checkpointer
-    saved = ""
-    if ckpt.enabled:
-        ckpt.finish()
-        if step not in ckpt.saver.committed_steps:
-            ckpt.save(step, kind="full")
-        if step in ckpt.saver.committed_steps:
-            saved = f"checkpoint step-{step} saved in {ckpt.folder}; run the same command to resume from it"
-        else:
-            saved = f"the checkpoint of step {step} could not be saved (see the log)"
-    else:
+    if not checkpointer.enabled:
         saved = "checkpoint.enable is false: nothing saved"
+    elif checkpointer.save_for_preemption(step):
+        saved = f"checkpoint step-{step} saved in {checkpointer.folder}; run the same command to resume from it"
+    else:
+        saved = f"the checkpoint of step {step} could not be saved (see the log)"
     raise Preempted(f"stopped by {name} after step {step}; {saved}", signum)

@@ -4,6 +4,8 @@
 config -> process group and mesh -> tokenizer and data -> model on the meta device -> parallelize ->
 materialise and initialise -> optimizer and LR schedule -> checkpoints (resume) -> metrics.
 ``Trainer.train`` is the loop: data -> forward/backward per micro-batch -> clip -> step -> log -> save.
+The step's pieces are free functions in trainer/step.py, process setup and the model-part builder are in
+trainer/setup.py: ``trainer simulate`` calls the same ones.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from trainer import compat, launch, logs, observability, preemption, runlock, step as steps
+from trainer import compat, launch, logs, observability, preemption, runlock
+from trainer import step as steps  # as a module (``step`` is the step number here): steps.forward_backward ...
 from trainer.callbacks import CallbackList, RunView, build_callbacks
 from trainer.checkpoint import CheckpointManager, TrainState
 from trainer.config import JobConfig, help_text, load_config, to_toml, validate
@@ -181,6 +184,13 @@ class Trainer:
             pp_microbatches=getattr(self.pp_schedule, "_n_microbatches", None), global_loss=self.global_loss,
             finish_checkpoints=lambda: self.checkpointer.finish(),
         )
+
+    def observed_run(self) -> observability.ObservedRun:
+        """What the observability session around the loop reads (profiler, watchdog, summary.json)."""
+        return observability.ObservedRun(
+            config=self.config, state=self.state, device=self.device, rank=self.rank, world_size=self.world_size,
+            is_logging_rank=self.is_logging_rank, metrics=self.metrics, flops_per_token=self.flops_per_token,
+            peak_tflops=self.throughput.peak, checkpointer=self.checkpointer)
 
     # ------------------------------------------------------------------------------------------------
     # One step
@@ -359,7 +369,7 @@ class Trainer:
         stopping.install()
         # Profiler, memory snapshots, hang watchdog; the run summary (summary.json) at the end or on failure.
         try:
-            with observability.Observability(self) as obs:
+            with observability.Observability(self.observed_run()) as obs:
                 for step in range(start_step + 1, config.training.steps + 1):
                     self.run_step(step, obs)
                     if step == start_step + 1:
@@ -367,7 +377,7 @@ class Trainer:
                     signum = stopping.agreed(step) if step < config.training.steps else 0
                     if signum:
                         with obs.checkpoint():
-                            preemption.stop(self, step, signum)
+                            preemption.stop(self.checkpointer, step, signum)
                 with obs.checkpoint():
                     self.checkpointer.finish()
         finally:

@@ -116,6 +116,14 @@ class CheckpointManager:
         """End of training: wait for a background save and commit it."""
         self.saver.finish()
 
+    def save_for_preemption(self, step: int) -> bool:
+        """Stopping on a signal (all ranks): wait for a background save, then save a full checkpoint of
+        ``step`` unless this run has committed one already. True when ``step``'s checkpoint is committed."""
+        self.finish()
+        if step not in self.saver.committed_steps:
+            self.save(step, kind="full")
+        return step in self.saver.committed_steps
+
     def load(self) -> None:
         """Resume from the dump folder's latest complete checkpoint (or ``load_step``), else start from
         ``initial_load_path`` if set; ``create_seed_checkpoint`` saves step 0 instead."""

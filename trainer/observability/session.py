@@ -8,8 +8,9 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.profiler import record_function
@@ -18,6 +19,11 @@ from trainer.observability.flight_recorder import comm_traces_folder, dump_fligh
 from trainer.observability.profiling import MemorySnapshots, Profiler
 from trainer.observability.sinks import _LastRecord, build_wandb_writer
 from trainer.observability.watchdog import WATCHDOG_FOLDER, Watchdog, stall_for_drill
+
+if TYPE_CHECKING:
+    from trainer.checkpoint import CheckpointManager, TrainState
+    from trainer.config import JobConfig
+    from trainer.metrics import MetricsWriter
 
 logger = logging.getLogger("trainer")
 
@@ -58,23 +64,34 @@ def summary_line(s: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
+@dataclass
+class ObservedRun:
+    """What the session reads of the run it watches."""
+
+    config: JobConfig
+    state: TrainState  # step, tokens_seen, skipped_steps: read live, for the summary
+    device: torch.device
+    rank: int = 0
+    world_size: int = 1
+    is_logging_rank: bool = True
+    metrics: MetricsWriter | None = None  # gets the summary's last-record sink and W&B's
+    flops_per_token: int | None = None  # with peak_tflops: the summary's mean TFLOPS and MFU
+    peak_tflops: float | None = None
+    checkpointer: CheckpointManager | None = None  # its saves and failures go into the summary
+
+
 class Observability:
-    """Profiler, memory snapshots, watchdog, W&B and the summary around ``Trainer.train``'s loop.
+    """Profiler, memory snapshots, watchdog, W&B and the summary around ``Trainer.train``'s loop."""
 
-    ``trainer`` needs: config, rank, world_size, device, state (step, tokens_seen, skipped_steps), and
-    optionally checkpointer (saves), metrics (add_sink), flops_per_token, throughput (peak),
-    is_logging_rank.
-    """
-
-    def __init__(self, trainer):
-        self.trainer = trainer
-        config = self.config = trainer.config
-        self.rank = getattr(trainer, "rank", 0)
-        self.world_size = getattr(trainer, "world_size", 1)
-        self.is_logging_rank = getattr(trainer, "is_logging_rank", self.rank == 0)
+    def __init__(self, run: ObservedRun):
+        self.run = run
+        config = self.config = run.config
+        self.rank = run.rank
+        self.world_size = run.world_size
+        self.is_logging_rank = run.is_logging_rank
         self.dump_folder = Path(config.job.dump_folder)
-        use_cuda = trainer.device.type == "cuda"
-        self.start_step = trainer.state.step
+        use_cuda = run.device.type == "cuda"
+        self.start_step = run.state.step
         self.profiler = Profiler(config.profiling, self.dump_folder / config.profiling.save_traces_folder,
                                  self.rank, self.start_step + 1, use_cuda)
         self.memory = MemorySnapshots(config.profiling,
@@ -94,7 +111,7 @@ class Observability:
         self.last_record = _LastRecord()
         self.current_step = self.start_step
         self.t_start = self.t_first = self.t_last = None
-        self.tokens_start = self.tokens_first = trainer.state.tokens_seen
+        self.tokens_start = self.tokens_first = run.state.tokens_seen
         self.oom_dumped = False
         self.summary: dict[str, Any] | None = None
         self._summary_lock = threading.Lock()
@@ -103,9 +120,9 @@ class Observability:
 
     def __enter__(self) -> "Observability":
         self.t_start = time.perf_counter()
-        self.tokens_start = self.trainer.state.tokens_seen
-        metrics = getattr(self.trainer, "metrics", None)
-        if metrics is not None and hasattr(metrics, "add_sink") and self.is_logging_rank:
+        self.tokens_start = self.run.state.tokens_seen
+        metrics = self.run.metrics
+        if metrics is not None and self.is_logging_rank:
             metrics.add_sink(self.last_record)
             wandb_writer = build_wandb_writer(self.config, self.dump_folder)
             if wandb_writer is not None:
@@ -150,7 +167,7 @@ class Observability:
         """After a step and its logging and checkpoint: heartbeat, profiler step, memory snapshot."""
         now = time.perf_counter()
         if self.t_first is None:
-            self.t_first, self.tokens_first = now, self.trainer.state.tokens_seen
+            self.t_first, self.tokens_first = now, self.run.state.tokens_seen
         self.t_last = now
         self.current_step = step
         if self.watchdog is not None:
@@ -190,8 +207,8 @@ class Observability:
     # Summary ---------------------------------------------------------------------------------------
 
     def build_summary(self, status: str, error: str | None = None) -> dict[str, Any]:
-        trainer, config = self.trainer, self.config
-        state = trainer.state
+        run, config = self.run, self.config
+        state = run.state
         now = time.perf_counter()
         t_start = self.t_start if self.t_start is not None else now
         tokens_run = state.tokens_seen - self.tokens_start
@@ -203,12 +220,12 @@ class Observability:
         else:
             dt, tokens = 0.0, 0
         tps = tokens / self.world_size / dt if dt > 0 else None
-        fpt = getattr(trainer, "flops_per_token", None)
-        peak = getattr(getattr(trainer, "throughput", None), "peak", None)
+        fpt, peak = run.flops_per_token, run.peak_tflops
         tflops = tps * fpt / 1e12 if tps is not None and fpt else None
         mfu = 100.0 * tflops / peak if tflops is not None and peak else None
-        checkpointer = getattr(trainer, "checkpointer", None)
-        saves = getattr(checkpointer, "saves", None) if getattr(checkpointer, "enabled", False) else None
+        checkpointer = run.checkpointer
+        saving = checkpointer is not None and checkpointer.enabled
+        saves = checkpointer.saves if saving else None
         last = self.last_record.record or {}
         outputs: dict[str, str] = {"dump_folder": str(self.dump_folder.resolve())}
         candidates = {
@@ -241,12 +258,12 @@ class Observability:
             "mfu_mean": mfu,
             "skipped_steps": state.skipped_steps,
             "checkpoints_saved": saves,
-            "checkpoint_failures": getattr(checkpointer, "failures", None) if saves is not None else None,
+            "checkpoint_failures": checkpointer.failures if saving else None,
             "last_loss": last.get("loss"),
             "data_skipped": last.get("data_skipped", {}),
             "last_logged_step": last.get("step"),
             "world_size": self.world_size,
-            "memory_gib": _memory_gib(trainer.device),
+            "memory_gib": _memory_gib(run.device),
             "profiler_traces": [str(p) for p in self.profiler.written],
             "memory_snapshots": [str(p) for p in self.memory.written],
             "outputs": outputs,

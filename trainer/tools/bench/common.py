@@ -147,7 +147,7 @@ def observed(trainer):
     except ImportError:
         yield None
         return
-    with Observability(trainer) as obs:
+    with Observability(trainer.observed_run()) as obs:
         yield obs
 
 
