@@ -48,7 +48,7 @@ def test_fewer_layer_flavors_resolve_without_registering(tmp_path):
     import argparse
 
     from trainer.models.llama import LLAMA_FLAVORS
-    from trainer.tools.plan import model_args_for_plan
+    from trainer.tools.plan.cli import model_args_for_plan
 
     before = dict(LLAMA_FLAVORS)
     ns = argparse.Namespace(config=str(bench.DEFAULT_CONFIG))

@@ -10,17 +10,8 @@ import torch
 
 from trainer.config import load_config
 from trainer.models.llama import LlamaModelArgs, Transformer, count_params, flops_per_token, model_num_params
-from trainer.tools.plan import (
-    Layout,
-    Precision,
-    Shape,
-    layer_bytes,
-    main,
-    memory_estimate,
-    model_args_for_plan,
-    plan,
-    search_layouts,
-)
+from trainer.tools.plan.cli import main, model_args_for_plan, plan
+from trainer.tools.plan.memory import Layout, Precision, Shape, layer_bytes, memory_estimate, search_layouts
 from trainer.models import resolve_model_args
 from trainer.data.tokenizer import load_tokenizer
 
@@ -178,7 +169,7 @@ def test_activation_formula_matches_autograd(regime, ac):
 
     from trainer.models.llama.model import TransformerBlock, precompute_rope_cache
     from trainer.parallel.parallelize import _op_policy
-    from trainer.tools.plan import layer_bytes_selective_op
+    from trainer.tools.plan.memory import layer_bytes_selective_op
 
     args = LlamaModelArgs(dim=128, n_layers=1, n_heads=8, n_kv_heads=2, vocab_size=256, multiple_of=128,
                           max_seq_len=32)

@@ -90,7 +90,7 @@ def _simulate_counting(overrides: list[str], world_size: int) -> dict[str, int]:
     import importlib
 
     from trainer.config import load_config
-    from trainer.tools.plan import model_args_for_plan
+    from trainer.tools.plan.cli import model_args_for_plan
     from trainer.tools.simulate import world
     from trainer.tools.simulate.cli import simulate_role
 

@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("trainer.config", "print the resolved config as TOML (--markdown: the config reference)"),
     "data": ("trainer.data.cli", "audit a config's data, or tokenize a corpus into token files (prepare)"),
     "checkpoint": ("trainer.checkpoint.cli", "list, inspect or verify checkpoints"),
-    "plan": ("trainer.tools.plan", "parameters, FLOPs and memory per GPU for a config and GPU count"),
+    "plan": ("trainer.tools.plan.cli", "parameters, FLOPs and memory per GPU for a config and GPU count"),
     "bench": ("trainer.tools.bench", "benchmarks: framework overhead, data loader, checkpoint, GPU"),
     "simulate": ("trainer.tools.simulate.cli", "build and step a layout on N simulated ranks: memory, FLOPs, collectives"),
 }

@@ -456,7 +456,7 @@ def pending_collective() -> str:
 
 def dry_run(config: JobConfig) -> None:
     """Validate the config and build the model on the meta device without allocating it."""
-    from trainer.tools.plan import model_args_for_plan
+    from trainer.tools.plan.cli import model_args_for_plan
 
     args, note = model_args_for_plan(config)  # as trainer plan: the tokenizer only if it is on this machine
     if note:

@@ -45,7 +45,8 @@ MATRICES: dict[str, dict[str, tuple]] = {
 
 def plan_local_batch(config, capacity_bytes: float, ac: str, max_batch: int) -> tuple[int, float]:
     """The largest power-of-two local batch whose single-GPU estimate fits 90% of the GPU, and its estimate."""
-    from trainer.tools.plan import Layout, Shape, memory_estimate, model_args_for_plan
+    from trainer.tools.plan.cli import model_args_for_plan
+    from trainer.tools.plan.memory import Layout, Shape, memory_estimate
 
     args, _ = model_args_for_plan(config)
     shape = Shape.from_args(args)

@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass
 
 from trainer.parallel.dims import ParallelDims
-from trainer.tools.plan import Layout as PlanLayout
-from trainer.tools.plan import Shape, memory_estimate
+from trainer.tools.plan.memory import Layout as PlanLayout
+from trainer.tools.plan.memory import Shape, memory_estimate
 
 # The tensor-parallel plan of trainer/parallel/parallelize.py (apply_tp), by parameter name: colwise
 # Linear layers and the rowwise-sharded embedding split dim 0 of their weight, rowwise Linear layers dim 1;
@@ -193,9 +193,9 @@ def step_flops(s: Shape, stage: Stage, tokens: int, seq_len: int, tp: int, ac: s
 
 
 def plan_memory(s: Shape, dims: ParallelDims, config, stage: Stage) -> dict:
-    """``trainer.tools.plan.memory_estimate`` for this layout and this rank's pipeline stage, with its terms
+    """``trainer.tools.plan.memory.memory_estimate`` for this layout and this rank's pipeline stage, with its terms
     grouped as the simulation reports them."""
-    from trainer.tools.plan import _ac_name
+    from trainer.tools.plan.cli import _ac_name
 
     t, p = config.training, config.parallelism
     layout = PlanLayout(dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, t.local_batch_size, t.seq_len,

@@ -164,7 +164,7 @@ def _stage_for_rank(args, layout, rank: int):
 def analytic_for(config, args, layout, view) -> dict:
     """The formulas' numbers for this rank (bytes and FLOPs per micro-batch; see analytic.py)."""
     from trainer.parallel.parallelize import DTYPES
-    from trainer.tools.plan import Shape
+    from trainer.tools.plan.memory import Shape
     from trainer.tools.simulate import analytic
 
     s = Shape.from_args(args)
@@ -173,7 +173,7 @@ def analytic_for(config, args, layout, view) -> dict:
     c = DTYPES[t.mixed_precision_param].itemsize
     r = DTYPES[t.mixed_precision_reduce].itemsize
     tokens = t.local_batch_size * t.seq_len
-    from trainer.tools.plan import _ac_name
+    from trainer.tools.plan.cli import _ac_name
 
     ac = _ac_name(config)
     comm = {}
@@ -296,7 +296,7 @@ def format_report(report: dict) -> str:
 def simulate(config, ngpu: int, layers: int | None = None, ranks: list[int] | None = None,
              quiet: bool = True) -> dict[str, Any]:
     """Everything ``trainer simulate`` reports, as a JSON-able dict (raises ConfigError)."""
-    from trainer.tools.plan import model_args_for_plan
+    from trainer.tools.plan.cli import model_args_for_plan
     from trainer.tools.simulate import world
 
     config, notes = world.simulation_config(config)
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    from trainer.tools.plan import print_report
+    from trainer.tools.plan.cli import print_report
 
     print_report(report, format_report, args.json)
     return 0
