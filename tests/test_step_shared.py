@@ -22,7 +22,7 @@ TRAIN = ROOT / "trainer" / "train.py"
 SIMULATE = sorted((ROOT / "trainer" / "tools" / "simulate").glob("*.py"))
 
 # What only trainer/step.py and trainer/setup.py define.
-SHARED = {"loss_fn", "loss_parallel", "uses_loss_parallel", "autocast", "forward_backward",
+SHARED = {"loss_fn", "loss_parallel", "uses_loss_parallel", "autocast_context", "forward_backward",
           "forward_backward_pipeline", "pipeline_loss", "PipelineLoss", "clip_grad_norm", "clip_and_step",
           "global_loss", "build_model_parts", "apply_converters"}
 # Calls that would mean a step or a build written out again.

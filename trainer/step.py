@@ -41,7 +41,7 @@ def loss_parallel(enabled: bool):
     return contextlib.nullcontext()
 
 
-def autocast(device_type: str, compute_dtype: torch.dtype, fsdp_enabled: bool):
+def autocast_context(device_type: str, compute_dtype: torch.dtype, fsdp_enabled: bool):
     """Precision: FSDP casts parameters itself; without FSDP, autocast to the compute dtype."""
     if compute_dtype != torch.float32 and not fsdp_enabled:
         return torch.autocast(device_type, dtype=compute_dtype)
@@ -58,9 +58,9 @@ def forward_backward(model: torch.nn.Module, batches: list[dict[str, torch.Tenso
                      mark: Callable = record_function) -> torch.Tensor:
     """Accumulate gradients over the micro-batches; returns this rank's mean token loss (detached).
 
-    ``autocast`` is the context the forward runs in, ``parallel_loss`` whether the loss runs in
-    :func:`loss_parallel`; ``mark(name)`` opens the "forward", "loss" and
-    "backward" ranges (profiler ranges; the simulator's phases)."""
+    ``autocast`` is the context the forward runs in (:func:`autocast_context`), ``parallel_loss`` whether the
+    loss runs in :func:`loss_parallel`; ``mark(name)`` opens the "forward", "loss" and "backward" ranges
+    (profiler ranges; the simulator's phases)."""
     tokens_per_rank = sum(b["labels"].numel() for b in batches)
     total = torch.zeros((), device=device)
     for batch in batches:

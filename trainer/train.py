@@ -133,7 +133,7 @@ class Trainer:
                                              dp_group=self.dims.dp_mesh.get_group(), dp=self.dims.dp)
         if config.model.print_after_conversion:
             logger.info("model after conversion and parallelization:\n%s", self.model_parts)
-        self.autocast = steps.autocast(self.device.type, self.compute_dtype, self.dims.fsdp_enabled)
+        self.autocast = steps.autocast_context(self.device.type, self.compute_dtype, self.dims.fsdp_enabled)
 
     def build_optimizer(self) -> None:
         config = self.config

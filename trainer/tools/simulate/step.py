@@ -249,7 +249,7 @@ def _parallel_loss(view: RankView, config) -> bool:
 
 
 def _autocast(view: RankView):
-    return steps.autocast(SIM_DEVICE, view.compute_dtype, view.dims.fsdp_enabled)
+    return steps.autocast_context(SIM_DEVICE, view.compute_dtype, view.dims.fsdp_enabled)
 
 
 def prime_optimizer(view: RankView) -> None:
