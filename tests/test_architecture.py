@@ -23,32 +23,31 @@ def modules() -> dict[str, Path]:
     return out
 
 
-def runtime_nodes(node: ast.AST):
-    """Every node except those under ``if TYPE_CHECKING:`` (annotations only, never imported at run time)."""
-    for child in ast.iter_child_nodes(node):
-        if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-            for other in child.orelse:
-                yield other
-                yield from runtime_nodes(other)
-            continue
-        yield child
-        yield from runtime_nodes(child)
-
-
-def imported_names(name: str, path: Path) -> set[str]:
-    """Dotted names a module imports at run time (module level or inside functions)."""
+def imported(name: str, path: Path) -> list[tuple[str, str | None]]:
+    """(module, imported name or None) for every import a module makes: at module level, inside functions
+    (deferred) and under ``if TYPE_CHECKING:`` (type-only) alike, since each is a dependency a reader and a
+    type checker follow. Relative imports are resolved."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    out = set()
-    for node in runtime_nodes(ast.parse(path.read_text())):
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            out |= {alias.name for alias in node.names}
+            out += [(alias.name, None) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 parts = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(parts + ([node.module] if node.module else []))
-            out.add(base)
-            out |= {f"{base}.{alias.name}" for alias in node.names}
+            out += [(base, alias.name) for alias in node.names]
+    return out
+
+
+def imported_names(name: str, path: Path) -> set[str]:
+    """Dotted names a module imports (see :func:`imported`)."""
+    out = set()
+    for module, member in imported(name, path):
+        out.add(module)
+        if member is not None:
+            out.add(f"{module}.{member}")
     return out
 
 
@@ -100,6 +99,47 @@ def test_find_cycle_sees_a_cycle():
 def test_no_import_cycles():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def package_of(module: str, mods: dict[str, Path]) -> str:
+    return module if mods[module].name == "__init__.py" else module.rpartition(".")[0]
+
+
+def private_imports(mods: dict[str, Path], packages: tuple[str, ...] = PACKAGES) -> list[str]:
+    """Imports of a private name (``_x``, a module or a member) of one of our packages from outside that
+    package (a subpackage counts as outside its parent, and the parent as outside it)."""
+    offenders = []
+    for name, path in mods.items():
+        mine = package_of(name, mods)
+        for module, member in imported(name, path):
+            if module.split(".")[0] not in packages:
+                continue
+            dotted = f"{module}.{member}" if member else module
+            parts = dotted.split(".")
+            for i, part in enumerate(parts):
+                if part.startswith("_") and not part.startswith("__"):
+                    owner = ".".join(parts[:i])
+                    owner_package = package_of(owner, mods) if owner in mods else owner
+                    if owner_package != mine:
+                        offenders.append(f"{name} imports {dotted}")
+                    break
+    return offenders
+
+
+def test_private_imports_are_found(tmp_path):
+    files = {"a/__init__.py": "from a import _mine\n", "a/x.py": "from b.y import _hidden\nfrom a.z import _near\n",
+             "a/z.py": "", "b/__init__.py": "", "b/y.py": "from b._impl import f\n", "b/_impl.py": ""}
+    mods = {}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_text(text)
+        mods[rel.removesuffix(".py").replace("/", ".").removesuffix(".__init__")] = tmp_path / rel
+    assert private_imports(mods, packages=("a", "b")) == ["a.x imports b.y._hidden"]
+
+
+def test_no_private_name_imported_across_packages():
+    offenders = private_imports(modules())
+    assert not offenders, offenders
 
 
 def test_core_reaches_extensions_only_through_the_registry():

@@ -61,7 +61,7 @@ def test_prepare_command(tmp_path, capsys):
 
 
 def test_measure_throughput_smoke(tmp_path):
-    from trainer.data.bench import measure_throughput
+    from trainer.tools.bench.data import measure_throughput
 
     write_jsonl(tmp_path / "a.jsonl", synthetic_texts(200, seed=3, max_len=400))
     config = make_config(**{"training.dataset": "jsonl", "training.dataset_path": str(tmp_path / "a.jsonl"),

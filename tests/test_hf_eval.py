@@ -26,7 +26,7 @@ pytest.importorskip("lm_eval")
 transformers = pytest.importorskip("transformers")
 
 from tests.utils import ROOT, fast_model, read_metrics, run_train  # noqa: E402
-from tokenizer._policy import files_rule, run_separator  # noqa: E402
+from tokenizer.policy import files_rule, run_separator  # noqa: E402
 from torchtitan_ext.evaluation.callback import flatten_results  # noqa: E402
 from torchtitan_ext.hf import main as export_main  # noqa: E402
 from torchtitan_ext.lm_eval_model import main as eval_main  # noqa: E402
@@ -162,7 +162,7 @@ def test_export_of_an_eos_separated_run_adds_nothing(runs, tmp_path):
     """data.separator = eos with a tokenizer that adds <s> ... </s>: the exported files add nothing."""
     import shutil
 
-    from tokenizer._policy import align_exported_tokenizer, choose_separator
+    from tokenizer.policy import align_exported_tokenizer, choose_separator
 
     tok = runs["llama"]["tok"]
     folder = shutil.copytree(Path(runs["llama"]["config"].model.tokenizer_path), tmp_path / "export")

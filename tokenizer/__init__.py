@@ -17,7 +17,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 from tokenizer._hf import HFTokenizer
 from tokenizer._sentencepiece import SentencePieceTokenizer
-from tokenizer._tiktoken import LLAMA3_PATTERN, LLAMA3_SPECIAL_TOKENS, TiktokenTokenizer
+from tokenizer._tiktoken import LLAMA3_PATTERN, LLAMA3_SPECIAL_TOKENS, TiktokenTokenizer, load_ranks
 
 __all__ = [
     "DEBUG_TOKENIZER_PATH",
@@ -28,6 +28,7 @@ __all__ = [
     "TiktokenTokenizer",
     "Tokenizer",
     "build_tokenizer",
+    "load_ranks",
 ]
 
 DEBUG_TOKENIZER_PATH = Path(__file__).resolve().parent / "assets" / "debug_bpe" / "tokenizer.json"

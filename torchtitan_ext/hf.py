@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tokenizer._policy import align_export, token_string
+from tokenizer.policy import align_export, token_string
 from torchtitan_ext.native import load_hf_model, parse_dtype
 from trainer.checkpoint import CheckpointNotFound, checkpoint_model_entries
 from trainer.tools.checkpoint_model import describe_checkpoint
@@ -228,7 +228,7 @@ def tiktoken_to_tokenizer_json(ranks_path: Path, out: Path) -> None:
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     from tokenizer import LLAMA3_PATTERN, LLAMA3_SPECIAL_TOKENS
-    from tokenizer._tiktoken import load_ranks
+    from tokenizer import load_ranks
 
     ranks = load_ranks(Path(ranks_path))
     table = _bytes_to_unicode()

@@ -82,7 +82,7 @@ class LMEvalCallback(Callback):
     def metrics(self, run, step: int) -> dict[str, Any]:
         if step % self.cfg.freq:
             return {}
-        from tokenizer._policy import run_separator
+        from tokenizer.policy import run_separator
         from torchtitan_ext.evaluation.lm import NativeLM, evaluate
 
         cfg = self.cfg

@@ -240,7 +240,7 @@ def _run(lm, model: str, model_args: dict, args, tasks: list[str]):
 
 def _tokenizer_info(lm) -> dict[str, Any]:
     """The tokenizer fields lm-eval records for its HF backend, for the native model."""
-    from tokenizer._policy import token_string
+    from tokenizer.policy import token_string
 
     tok = getattr(lm, "tok", None)
     if tok is None:

@@ -6,7 +6,7 @@ DCP checkpoint with our own code and scored with our own forward, so no export i
 at ``max_length``) and ``generate_until`` (batched, KV cache, greedy unless the task asks for sampling).
 
 Requests start with BOS when the run trained with BOS before every document (its BOS/EOS rule,
-tokenizer/_policy.py), which is what the exported tokenizer does too (lm-eval's HF backend), and
+tokenizer/policy.py), which is what the exported tokenizer does too (lm-eval's HF backend), and
 ``max_length`` defaults to the flavor's context length (the export's ``max_position_embeddings``), so a
 native checkpoint and its export get the same scores.
 
@@ -48,10 +48,10 @@ INSTALL_HINT = "trainer eval needs lm-eval: pip install 'lm-eval[hf]>=0.4.5' (or
 
 
 def _adds_bos(tok, config=None) -> bool:
-    """Whether requests start with BOS. With the run's config: its BOS/EOS rule (tokenizer/_policy.py), which
+    """Whether requests start with BOS. With the run's config: its BOS/EOS rule (tokenizer/policy.py), which
     the export follows too, so a checkpoint and its export are scored alike; without one: what the
     tokenizer's own files add."""
-    from tokenizer._policy import run_separator, tokenizer_rule
+    from tokenizer.policy import run_separator, tokenizer_rule
 
     if config is None or isinstance(config, (str, Path)):
         return tokenizer_rule(tok).adds_bos and tok.bos_id is not None

@@ -94,10 +94,6 @@ class CheckpointInfo:
         return self.status == "complete"
 
     @property
-    def has_optimizer(self) -> bool:
-        return self.complete and self.kind == "full"
-
-    @property
     def leftover(self) -> bool:
         """A save in progress or its remains (``step-N.tmp``, ``step-N.replaced``), never a checkpoint."""
         return self.path.name.endswith((TMP_SUFFIX, OLD_SUFFIX))

@@ -39,7 +39,7 @@ from trainer.checkpoint.state import (
     unpickle_bytes,
 )
 from trainer.errors import CheckpointError, ConfigError
-from trainer.models.llama.hf_adapter import load_hf_into
+from trainer.models import load_hf_weights
 
 logger = logging.getLogger("trainer")
 
@@ -62,8 +62,10 @@ def _present(prefix: str, keys: set[str]) -> bool:
 class Loader:
     """Loads checkpoints of ``folder`` (or ``cfg.initial_load_path``) into ``components``."""
 
-    def __init__(self, cfg, folder: Path, components: Components, comm: Collectives, training_steps: int):
+    def __init__(self, cfg, folder: Path, components: Components, comm: Collectives, training_steps: int,
+                 model_name: str):
         self.cfg = cfg
+        self.model_name = model_name  # whose Hugging Face mapping reads an initial_load_path HF folder
         self.folder = folder
         self.components = components
         self.comm = comm
@@ -345,7 +347,8 @@ class Loader:
         """Weights from a Hugging Face folder; each rank reads the slices it holds."""
         if not path.exists():
             raise ConfigError(f"checkpoint.initial_load_path: no such folder '{path}'")
-        _, error = attempt(f"loading {path}", load_hf_into, self.components.model_parts, str(path))
+        _, error = attempt(f"loading {path}", load_hf_weights, self.model_name, self.components.model_parts,
+                           str(path))
         reasons = self.comm.agree(error)
         if reasons:
             raise CheckpointError(f"checkpoint.initial_load_path {path} (Hugging Face) could not be loaded: "

@@ -56,7 +56,8 @@ class CheckpointManager:
         pg, async_pg = self._new_groups()
         self.comm = Collectives(pg)
         self.saver = Saver(cfg, self.folder, self.components, self.comm, async_pg)
-        self.loader = Loader(cfg, self.folder, self.components, self.comm, config.training.steps)
+        self.loader = Loader(cfg, self.folder, self.components, self.comm, config.training.steps,
+                             config.model.name)
         if self.enabled and self.saver.pinned:
             # Asynchronous staging into reused pinned buffers: wait for the copy before the optimizer
             # changes the weights it reads.

@@ -120,7 +120,7 @@ class LiteralSpecials:
     """The run's tokenizer, counting documents whose text holds a special token's string."""
 
     def __init__(self, tokenizer):
-        from tokenizer._policy import special_strings
+        from tokenizer.policy import special_strings
 
         self._tok = tokenizer
         self.strings = special_strings(tokenizer)

@@ -74,7 +74,7 @@ def build_plan(config, tokenizer, specs: list[SourceSpec], weights: list[float],
                shuffle: bool, max_epochs: int | None, seq_len: int | None = None) -> DataPlan:
     """Resolve sources (start-up errors for missing files happen here) and the packing settings."""
     d = config.data
-    from tokenizer._policy import run_separator
+    from tokenizer.policy import run_separator
 
     try:
         chosen = run_separator(config, tokenizer)
@@ -144,11 +144,6 @@ def to_tensors(batch: dict[str, np.ndarray], pin_memory: bool = False) -> dict[s
     if pin_memory:
         out = {k: v.pin_memory() for k, v in out.items()}
     return out
-
-
-def collate(windows: list[Window], plan: DataPlan) -> dict[str, torch.Tensor]:
-    """collate_arrays as LongTensors."""
-    return to_tensors(collate_arrays(windows, plan))
 
 
 def _keep(batch):

@@ -48,6 +48,7 @@ __all__ = [
     "get_llama_args",
     "config_model_args",
     "get_model_args",
+    "load_hf_weights",
     "model_config_keys",
     "model_num_params",
     "resolve_model_args",
@@ -191,3 +192,14 @@ def resolve_model_args(config, tokenizer_vocab: int | None) -> LlamaModelArgs:
         raise ConfigError(f"{source} gives {vocab} embedding rows but the tokenizer has {tokenizer_vocab} ids; "
                           "use a matching tokenizer (model.tokenizer_path) or raise model.vocab_size")
     return dataclasses.replace(flavor_args, vocab_size=vocab, max_seq_len=config.training.seq_len)
+
+
+def load_hf_weights(name: str, model_parts, path: str) -> list[str]:
+    """Load a Hugging Face checkpoint folder into the model parts of model ``name`` through its family's
+    adapter (each rank reads only the slices it holds); returns the keys read. The one way other layers
+    (checkpoint loading) reach a model family's Hugging Face mapping."""
+    if name not in MODEL_NAMES:
+        raise ValueError(f"unknown model {name!r}; valid models: {', '.join(MODEL_NAMES)}")
+    from .llama.hf_adapter import load_hf_into  # torch: not imported by the pre-flight's config checks
+
+    return load_hf_into(model_parts, path)

@@ -41,7 +41,7 @@ def _unit_template(template: nn.Module, unit: str) -> nn.Module:
     return part
 
 
-def _local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+def local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     if not isinstance(param, DTensor):
         return full
     shape, offset = compute_local_shape_and_global_offset(full.shape, param.device_mesh, param.placements)
@@ -66,7 +66,7 @@ def init_weights(model: nn.Module, template: nn.Module, seed: int, device: torch
         for name, full in part.named_parameters():
             target = params[name]
             local = target.to_local() if isinstance(target, DTensor) else target
-            local.copy_(_local_slice(full, target).to(local.dtype))
+            local.copy_(local_slice(full, target).to(local.dtype))
         del part
     # Non-persistent buffers (the RoPE table) are recomputed by the model itself.
     if hasattr(model, "_compute_rope_cache"):

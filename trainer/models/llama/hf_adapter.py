@@ -246,7 +246,7 @@ def load_hf_into(model: torch.nn.Module | Iterable[torch.nn.Module], path: str |
     """
     from torch.distributed.tensor import DTensor
 
-    from trainer.parallel.init import _local_slice
+    from trainer.parallel.init import local_slice
 
     folder = Path(path)
     hf_args = read_hf_args(folder)
@@ -284,7 +284,7 @@ def load_hf_into(model: torch.nn.Module | Iterable[torch.nn.Module], path: str |
                 raise ValueError(f"{hf_name} in {folder} has shape {tuple(full.shape)}, the model's {name} "
                                  f"is {tuple(param.shape)}{hint}")
             local = param.to_local() if isinstance(param, DTensor) else param.data
-            local.copy_(_local_slice(full, param).to(device=local.device, dtype=local.dtype))
+            local.copy_(local_slice(full, param).to(device=local.device, dtype=local.dtype))
             loaded.append(name)
     logger.info("loaded %d tensors from Hugging Face folder %s", len(loaded), folder)
     return loaded

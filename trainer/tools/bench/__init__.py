@@ -19,7 +19,7 @@ Suites (each prints rows of the table and fills one entry of the JSON results):
   skip) the trainer and the bare loop each in a process of its own (``processes.py``):
   ``overhead_ratio_processes``.
 * ``data``: tokens/s the training loader delivers, tokenizing on the fly and from pre-tokenized files
-  (``trainer.data.bench.measure_throughput``), against the tokens/s the model consumes, measured in the same
+  (``trainer.tools.bench.data.measure_throughput``), against the tokens/s the model consumes, measured in the same
   run by the trainer, and the fraction of the trainer's step time spent waiting for data (its own
   ``data_wait_s`` accounting).
 * ``checkpoint``: save throughput of synchronous and asynchronous saves and load throughput, through the

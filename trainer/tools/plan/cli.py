@@ -50,7 +50,9 @@ MEASURED: dict[tuple[str, int, int, str, str], float] = {}
 # --------------------------------------------------------------------------------------------------
 
 
-def _ac_name(config: JobConfig) -> str:
+def ac_name(config: JobConfig) -> str:
+    """The activation-checkpointing mode as plans and simulations name it: none, full, selective_op or
+    selective_N (every N-th block)."""
     mode = config.activation_checkpoint.mode
     if mode == "selective":
         opt = config.activation_checkpoint.selective_ac_option
@@ -95,7 +97,7 @@ def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | No
     cpu_offload = config.training.enable_cpu_offload
 
     rep, shard, tp, pp = resolve_degrees(config.parallelism, ngpu)
-    configured = Layout(rep, shard, tp, pp, config.training.local_batch_size, seq_len, _ac_name(config),
+    configured = Layout(rep, shard, tp, pp, config.training.local_batch_size, seq_len, ac_name(config),
                         config.parallelism.pipeline_parallel_microbatch_size)
     est = memory_estimate(shape, configured, compute_dtype=compute_dtype, cpu_offload=cpu_offload,
                           reshard_after_forward=config.parallelism.fsdp_reshard_after_forward)

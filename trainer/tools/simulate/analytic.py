@@ -195,11 +195,11 @@ def step_flops(s: Shape, stage: Stage, tokens: int, seq_len: int, tp: int, ac: s
 def plan_memory(s: Shape, dims: ParallelDims, config, stage: Stage) -> dict:
     """``trainer.tools.plan.memory.memory_estimate`` for this layout and this rank's pipeline stage, with its terms
     grouped as the simulation reports them."""
-    from trainer.tools.plan.cli import _ac_name
+    from trainer.tools.plan.cli import ac_name
 
     t, p = config.training, config.parallelism
     layout = PlanLayout(dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, t.local_batch_size, t.seq_len,
-                        _ac_name(config), p.pipeline_parallel_microbatch_size)
+                        ac_name(config), p.pipeline_parallel_microbatch_size)
     compute = "float32" if t.mixed_precision_param == "float32" else "bfloat16"
     which = "first" if stage.first else "last" if stage.last else "middle"
     est = memory_estimate(s, layout, compute_dtype=compute, cpu_offload=t.enable_cpu_offload,

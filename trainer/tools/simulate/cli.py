@@ -173,9 +173,9 @@ def analytic_for(config, args, layout, view) -> dict:
     c = DTYPES[t.mixed_precision_param].itemsize
     r = DTYPES[t.mixed_precision_reduce].itemsize
     tokens = t.local_batch_size * t.seq_len
-    from trainer.tools.plan.cli import _ac_name
+    from trainer.tools.plan.cli import ac_name
 
-    ac = _ac_name(config)
+    ac = ac_name(config)
     comm = {}
     comm.update(analytic.fsdp_collectives(s, dims, stage, c, r, config.parallelism.fsdp_reshard_after_forward))
     comm.update(analytic.tp_collectives(s, dims, stage, tokens, c, ac))
