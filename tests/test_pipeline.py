@@ -5,7 +5,8 @@ import pytest
 from tests.test_parallel import STEPS, relative_diffs
 from tests.utils import losses, run_train
 from trainer.config import ConfigError, load_config
-from trainer.parallel.pipeline import SCHEDULES, bubble_fraction, plan_stages
+from trainer.parallel.config import SCHEDULES, plan_stages
+from trainer.parallel.pipeline import bubble_fraction
 
 PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]
 

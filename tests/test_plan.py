@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from trainer.config import load_config
-from trainer.models.llama import LlamaModelArgs, Transformer, count_params, flops_per_token, model_num_params
+from trainer.models.llama.args import LlamaModelArgs
+from trainer.models.llama.flops import count_params, flops_per_token, model_num_params
+from trainer.models.llama.model import Transformer
 from trainer.plan import (
     Layout,
     Precision,
@@ -21,7 +23,7 @@ from trainer.plan import (
     plan,
     search_layouts,
 )
-from trainer.models import resolve_model_args
+from trainer.models.config import resolve_model_args
 from trainer.data.tokenizer import load_tokenizer
 
 from .utils import ROOT

@@ -31,8 +31,8 @@ from trainer.checkpoint.layout import (
     inspect_checkpoint,
     scan_folder,
 )
+from trainer.checkpoint.config import STATE_KEYS
 from trainer.checkpoint.state import (
-    STATE_KEYS,
     Components,
     TrainState,
     load_loader_global_state,

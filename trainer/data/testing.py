@@ -54,7 +54,7 @@ def write_jsonl(path: str | Path, texts: Iterable[str]) -> Path:
 
 def make_config(**overrides):
     """A JobConfig from {"training.seq_len": 32, ...} (dots as in the command line), no environment."""
-    from trainer.config import load_config
+    from trainer.config import load_config, validate
 
     argv: list[str] = []
     for key, value in overrides.items():
@@ -63,7 +63,9 @@ def make_config(**overrides):
         elif isinstance(value, (list, tuple)):
             value = json.dumps(list(value))
         argv += [f"--{key}", str(value)]
-    return load_config(argv, env={})
+    config = load_config(argv, env={})
+    validate(config)
+    return config
 
 
 def token_map(batches: Iterable[dict]) -> dict[int, dict[int, int]]:

@@ -28,14 +28,8 @@ from trainer.data.checks import grad_accum_steps
 from trainer.errors import ConfigError
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.parallelize import DTYPES, parallelize
-from trainer.parallel.pipeline import (
-    SINGLE_STAGE,
-    StagePlan,
-    build_stage_model,
-    n_microbatches,
-    plan_stages,
-    schedule_name,
-)
+from trainer.parallel.config import SINGLE_STAGE, StagePlan, plan_stages, schedule_name
+from trainer.parallel.pipeline import build_stage_model, n_microbatches
 
 SIM_DEVICE = "cpu"  # the fake tensors' device; nothing is allocated on it
 
@@ -196,8 +190,8 @@ class RankView:
 
 def build_rank_view(config: JobConfig, args, layout: Layout, rank: int, mode) -> RankView:
     """Mesh, stage split, parallelize, fake materialisation and optimizer for the process's rank."""
-    from trainer.models.llama import Transformer
-    from trainer.optim import build_optimizer
+    from trainer.models.llama.model import Transformer
+    from trainer.optim.optimizer import build_optimizer
 
     dims = dataclasses.replace(layout.dims)
     mesh = dims.build_mesh(SIM_DEVICE)

@@ -59,7 +59,7 @@ def save_native_checkpoint(state_dict: dict[str, torch.Tensor], dump_folder: str
 
 def load_run_config(config_path: Path | None, overrides: list[str]):
     """A JobConfig with the run's model/tokenizer keys (from its config.toml) and ``overrides`` applied."""
-    from trainer.config import load_config
+    from trainer.config import load_config, validate
 
     if sys.version_info >= (3, 11):
         import tomllib
@@ -77,7 +77,9 @@ def load_run_config(config_path: Path | None, overrides: list[str]):
             value = (data.get(section) or {}).get(name)
             if value is not None:
                 argv += [f"--{key}={value}"]
-    return load_config(argv + overrides, env={})
+    config = load_config(argv + overrides, env={})
+    validate(config)
+    return config
 
 
 def _resolve_tokenizer_path(config, config_path: Path | None) -> str | None:
@@ -122,7 +124,7 @@ def describe_checkpoint(
     defaults to the bundled debug tokenizer, as in training). The vocabulary size is the checkpoint's.
     """
     from tokenizer import DEBUG_TOKENIZER_PATH, build_tokenizer
-    from trainer.models import config_model_args
+    from trainer.models.config import config_model_args
 
     step_dir = find_checkpoint(checkpoint, step=step)
     cfg_path = Path(config_path) if config_path else find_run_config(step_dir)
