@@ -30,7 +30,7 @@ from trainer import logs
 from trainer.observability import profiling
 from trainer.observability.sinks import build_wandb_writer
 from trainer.observability.watchdog import WATCHDOG_EXIT_CODE
-from trainer.config import ConfigError, load_config
+from trainer.config import ConfigError, load_config, validate
 from trainer.metrics import MetricsWriter, console_line, use_color
 from trainer.observability.profiling import MemorySnapshots, Profiler
 from trainer.observability.session import Observability
@@ -271,7 +271,7 @@ def test_config_checks(tmp_path):
     for args in (["--profiling.enable_profiling", "--profiling.profile_freq", "3", "--profiling.profiler_warmup", "3"],
                  ["--comm.watchdog_timeout_seconds", "-1"]):
         with pytest.raises(ConfigError):
-            Observability(fake_trainer(tmp_path, *args, metrics=False))
+            validate(fake_trainer(tmp_path, *args, metrics=False).config)
 
 
 def test_wandb_missing_package_warns_and_continues(tmp_path, monkeypatch, trainer_log):

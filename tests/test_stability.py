@@ -25,7 +25,7 @@ from torchtitan_ext.stability.zloss import ZLoss, z_loss
 from trainer.callbacks import CallbackList
 from trainer.callbacks import RunView
 from torchtitan_ext.config import ExtJobConfig
-from trainer.config import ConfigError, load_config
+from trainer.config import ConfigError, load_config, validate
 from trainer.optim.config import LRScheduler
 from trainer.models.llama.args import LlamaModelArgs
 from trainer.models.llama.model import Transformer
@@ -207,10 +207,10 @@ def test_consecutive_bad_steps_stop_the_run_naming_the_last_good_checkpoint(tmp_
 
 def test_guard_config_is_validated():
     with pytest.raises(ConfigError, match="spike_min_history"):
-        load_config(["--stability.spike_guard", "--stability.spike_window", "5", "--stability.spike_min_history", "10"],
-                    env={})
+        validate(load_config(["--stability.spike_guard", "--stability.spike_window", "5",
+                              "--stability.spike_min_history", "10"], env={}))
     with pytest.raises(ConfigError, match="max_consecutive_bad_steps"):
-        load_config(["--stability.max_consecutive_bad_steps", "-1"], env={})
+        validate(load_config(["--stability.max_consecutive_bad_steps", "-1"], env={}))
 
 
 def test_guard_state_survives_a_resume_exactly():
@@ -280,9 +280,9 @@ def test_embedding_alpha_schedule_metrics_and_state():
     assert [sched(s) for s in (1, 10, 15, 20, 30)] == pytest.approx([1.0, 1.0, 0.55, 0.1, 0.1])
     assert AlphaSchedule(0.1)(1) == 0.1
     with pytest.raises(ConfigError, match="embedding_grad_alpha_steps"):
-        load_config(["--stability.embedding_grad_alpha_steps", "5"], env={})
+        validate(load_config(["--stability.embedding_grad_alpha_steps", "5"], env={}))
     with pytest.raises(ConfigError, match="embedding_grad_alpha "):
-        load_config(["--stability.embedding_grad_alpha", "1.5"], env={})
+        validate(load_config(["--stability.embedding_grad_alpha", "1.5"], env={}))
     cb = EmbeddingGradShrink(sched)
     cb.on_batches(None, 15, [])
     assert cb.metrics(None, 15) == {"embedding_grad_alpha": pytest.approx(0.55)}
