@@ -83,6 +83,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import ConfigError, JobConfig, load_config, validate
+from trainer.models.config import resolve_model_args
 from trainer.parallel.config import resolve_degrees
 
 logger = logging.getLogger("trainer")
@@ -473,7 +474,6 @@ def _ac_name(config: JobConfig) -> str:
 def model_args_for_plan(config: JobConfig):
     """The model args the trainer would build, and a note when the tokenizer is not on this machine (then
     the vocabulary comes from the flavor or model.vocab_size, unchecked against the tokenizer)."""
-    from trainer.models.config import resolve_model_args
     from trainer.data.tokenizer import load_tokenizer
 
     tokenizer_vocab = None

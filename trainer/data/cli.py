@@ -14,6 +14,9 @@ import argparse
 import json
 import sys
 
+from trainer.config import ConfigError, load_config, validate
+from trainer.data.sources import DataError
+
 
 def _build_tokenizer(config):
     from tokenizer import DEBUG_TOKENIZER_PATH, build_tokenizer
@@ -52,9 +55,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     """Entry point of ``trainer data``; returns the process exit code."""
-    from trainer.config import ConfigError, load_config, validate
-    from trainer.data.sources import DataError
-
     parser = _parser()
     args, overrides = _split_overrides(parser, list(argv))
     try:

@@ -8,6 +8,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from trainer.config import load_config, validate
+
 
 class ByteTokenizer:
     """Token = UTF-8 byte (ids 0-255); BOS 256, EOS 257, pad 258. With add_bos / add_eos it adds them on
@@ -54,8 +56,6 @@ def write_jsonl(path: str | Path, texts: Iterable[str]) -> Path:
 
 def make_config(**overrides):
     """A JobConfig from {"training.seq_len": 32, ...} (dots as in the command line), no environment."""
-    from trainer.config import load_config, validate
-
     argv: list[str] = []
     for key, value in overrides.items():
         if isinstance(value, bool):

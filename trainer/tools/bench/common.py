@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from trainer.config import load_config, validate
 from trainer.parallel import clean_fqn
 
 logger = logging.getLogger("trainer")
@@ -87,8 +88,6 @@ def _quiet():
 
 def load_bench_config(args, overrides: list[str], extra: list[str], dump: str):
     """The benchmark's config: the file, then the suite's settings, then the user's overrides."""
-    from trainer.config import load_config, validate
-
     base = ["--job.config_file", str(args.config), "--job.dump_folder", dump,
             "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "false"]
     config = load_config(base + extra + list(overrides), env={})
