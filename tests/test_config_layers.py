@@ -65,6 +65,15 @@ def test_the_preflight_validates_once(monkeypatch, tmp_path):
     assert calls == []  # the first broken rule stops it before the extensions' rules
 
 
+def test_a_worker_validates_once(monkeypatch, tmp_path, capsys):
+    from trainer.train import main
+
+    calls = count_validations(monkeypatch)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert main(["--job.dry_run", "--job.dump_folder", str(tmp_path), "--training.seq_len", "64"]) == 0
+    assert calls == [1]
+
+
 def test_load_config_parses_without_validating(monkeypatch):
     calls = count_validations(monkeypatch)
     config = load_config(["--training.local_batch_size", "0"], env={})
