@@ -170,9 +170,14 @@ def test_module_and_function_sizes():
 
 
 # Modules that declare, parse, document or validate config keys: a key read only here does nothing.
+# (trainer/models/config.py and trainer/parallel/config.py are not listed: besides the [model] and
+# parallelism sections they hold what the runtime builds from them, the model arguments and the layout.)
 CONFIG_MODULES = {"trainer/config/sections.py", "trainer/config/keys.py", "trainer/config/parse.py",
-                  "trainer/config/reference.py", "trainer/config/validate.py", "trainer/data/config.py",
-                  "torchtitan_ext/stability/config.py"}
+                  "trainer/config/reference.py", "trainer/config/validate.py", "trainer/config/rules.py",
+                  "trainer/config/torchtitan.py", "trainer/data/config.py",
+                  "trainer/optim/config.py", "trainer/checkpoint/config.py",
+                  "trainer/observability/config.py", "torchtitan_ext/config.py", "torchtitan_ext/stability/config.py",
+                  "torchtitan_ext/evaluation/config.py"}
 # Read by the config machinery itself, by design.
 READ_BY_PARSER = {"job.config_file"}
 # torchtitan keys accepted only at their default: trainer/compat.py reads each one (by name, from its

@@ -47,7 +47,7 @@ def test_fewer_layer_flavors_resolve_without_registering(tmp_path):
     """llama3_8b_4l (a GPU-suite flavor) is resolved by the trainer itself; the flavor table stays as it is."""
     import argparse
 
-    from trainer.models.llama import LLAMA_FLAVORS
+    from trainer.models.llama.flavors import LLAMA_FLAVORS
     from trainer.tools.plan.cli import model_args_for_plan
 
     before = dict(LLAMA_FLAVORS)

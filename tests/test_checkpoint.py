@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.utils import DEBUG_CONFIG, FAST, ROOT, read_metrics, run_train
-from trainer.checkpoint import scan_folder, validate_checkpoint
+from trainer.checkpoint.layout import scan_folder, validate_checkpoint
 
 pytestmark = pytest.mark.slow
 

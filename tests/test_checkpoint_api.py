@@ -13,16 +13,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainer.checkpoint import (
-    MARKER,
-    CheckpointManager,
-    CheckpointNotFound,
-    TrainState,
-    find_checkpoint,
-    inspect_checkpoint,
-    locate_folder,
-    scan_folder,
-)
+from trainer.checkpoint.layout import MARKER, inspect_checkpoint, locate_folder, scan_folder
+from trainer.checkpoint.manager import CheckpointManager
+from trainer.checkpoint.offline import CheckpointNotFound, find_checkpoint
+from trainer.checkpoint.state import TrainState
 from trainer.checkpoint.agree import Collectives
 from trainer.config import load_config
 

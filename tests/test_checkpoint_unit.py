@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from tests.utils import DEBUG_CONFIG, FAST, read_metrics
-from trainer.checkpoint import MARKER, main as checkpoint_main, scan_folder, validate_checkpoint
+from trainer.checkpoint.cli import main as checkpoint_main
+from trainer.checkpoint.layout import MARKER, scan_folder, validate_checkpoint
 
 COMMON = [*FAST, "--lr_scheduler.decay_type", "constant", "--checkpoint.enable"]
 
@@ -81,8 +82,8 @@ def test_layout_and_contents(base):
     assert marker["estimated_bytes"] >= marker["bytes"] * 0.9
     # Other tools load plain FQNs under "model" without a process group.
     import torch.distributed.checkpoint as dcp
-    from trainer.models.llama import Transformer
-    from trainer.models import resolve_model_args
+    from trainer.models.llama.model import Transformer
+    from trainer.models.config import resolve_model_args
     from trainer.data.tokenizer import load_tokenizer
     from trainer.config import load_config
 

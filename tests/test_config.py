@@ -61,7 +61,7 @@ def test_nested_section_from_toml(tmp_path):
 ])
 def test_errors_name_the_key(argv, fragment):
     with pytest.raises(ConfigError, match=None) as e:
-        load_config(argv, env={})
+        validate(load_config(argv, env={}))
     assert fragment in str(e.value)
 
 

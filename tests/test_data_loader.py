@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from trainer.config import ConfigError, validate
-from trainer.data import DataStateError, build_train_loader, build_val_loader, merge_states
+from trainer.data.loader import build_train_loader, build_val_loader, merge_states
+from trainer.errors import DataStateError
 from trainer.data.testing import ByteTokenizer, make_config, synthetic_texts, token_pairs, write_jsonl
 
 TOK = ByteTokenizer()

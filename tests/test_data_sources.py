@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from trainer.config import ConfigError
-from trainer.data import DataError, build_train_loader
+from trainer.data.loader import build_train_loader
+from trainer.data.sources import DataError
 from trainer.data.audit import audit
 from trainer.data.prepare import prepare
 from trainer.data.testing import ByteTokenizer, make_config, synthetic_texts, token_map, write_jsonl

@@ -19,8 +19,8 @@ from torchtitan_ext.hf import main as export_main  # noqa: E402
 from torchtitan_ext.lm_eval_model import NativeLM, main as eval_main  # noqa: E402
 from torchtitan_ext.native import save_native_checkpoint  # noqa: E402
 from trainer.config import load_config  # noqa: E402
-from trainer.models.llama import Transformer  # noqa: E402
-from trainer.models import resolve_model_args  # noqa: E402
+from trainer.models.llama.model import Transformer  # noqa: E402
+from trainer.models.config import resolve_model_args  # noqa: E402
 from trainer.data.tokenizer import load_tokenizer  # noqa: E402
 from tests.utils import fast_model
 

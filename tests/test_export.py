@@ -23,8 +23,9 @@ from torchtitan_ext.hf import (
 )
 from torchtitan_ext.native import CheckpointNotFound, find_checkpoint, load_native, save_native_checkpoint
 from trainer.config import load_config
-from trainer.models.llama import LlamaModelArgs, RopeScaling, Transformer
-from trainer.models import resolve_model_args
+from trainer.models.llama.args import LlamaModelArgs, RopeScaling
+from trainer.models.llama.model import Transformer
+from trainer.models.config import resolve_model_args
 from trainer.data.tokenizer import load_tokenizer
 from tests.utils import fast_model
 

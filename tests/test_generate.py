@@ -11,8 +11,9 @@ import torch
 from torchtitan_ext.generate import generate, main as generate_main, sample_next
 from torchtitan_ext.native import save_native_checkpoint
 from trainer.config import load_config
-from trainer.models.llama import LlamaModelArgs, Transformer
-from trainer.models import resolve_model_args
+from trainer.models.llama.args import LlamaModelArgs
+from trainer.models.llama.model import Transformer
+from trainer.models.config import resolve_model_args
 from trainer.data.tokenizer import load_tokenizer
 from tests.utils import fast_model
 

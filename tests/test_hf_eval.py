@@ -33,7 +33,7 @@ from torchtitan_ext.lm_eval_model import main as eval_main  # noqa: E402
 from torchtitan_ext.native import save_native_checkpoint  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.data.tokenizer import load_tokenizer  # noqa: E402
-from trainer.models import resolve_model_args  # noqa: E402
+from trainer.models.config import resolve_model_args  # noqa: E402
 
 TASKS_DIR = ROOT / "tests" / "assets" / "lm_eval_tasks"
 CORPUS = ROOT / "trainer" / "data" / "sample" / "shakespeare_train.jsonl"

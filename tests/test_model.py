@@ -8,16 +8,11 @@ import math
 import pytest
 import torch
 
-from trainer.models import get_model_args
-from trainer.models.llama import (
-    LLAMA_FLAVORS,
-    LlamaModelArgs,
-    Transformer,
-    build_llama,
-    count_params,
-    flops_per_token,
-    model_num_params,
-)
+from trainer.models.config import get_model_args
+from trainer.models.llama.args import LlamaModelArgs
+from trainer.models.llama.flavors import LLAMA_FLAVORS
+from trainer.models.llama.flops import count_params, flops_per_token, model_num_params
+from trainer.models.llama.model import Transformer, build_llama
 from trainer.models.llama.args import RopeScaling
 from trainer.models.llama.model import Attention, apply_rotary_emb, precompute_rope_cache
 
@@ -527,7 +522,7 @@ def _config(*argv):
 
 def test_resolve_model_args_vocab_and_seq_len():
     from trainer.errors import ConfigError
-    from trainer.models import resolve_model_args
+    from trainer.models.config import resolve_model_args
 
     # debugmodel: vocabulary from the tokenizer, rounded up to a multiple of 64; RoPE table at seq_len.
     args = resolve_model_args(_config("--model.flavor", "debugmodel", "--training.seq_len", "128"), 2000)

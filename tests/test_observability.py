@@ -26,10 +26,15 @@ import torch
 from torch.profiler import ProfilerAction, record_function
 
 from tests.utils import ROOT, run_train
-from trainer import logs, observability
-from trainer.config import ConfigError, load_config
+from trainer import logs
+from trainer.observability import profiling
+from trainer.observability.sinks import build_wandb_writer
+from trainer.observability.watchdog import WATCHDOG_EXIT_CODE
+from trainer.config import ConfigError, load_config, validate
 from trainer.metrics import MetricsWriter, console_line, use_color
-from trainer.observability import MemorySnapshots, Observability, ObservedRun, Profiler, Watchdog
+from trainer.observability.profiling import MemorySnapshots, Profiler
+from trainer.observability.session import Observability, ObservedRun
+from trainer.observability.watchdog import Watchdog
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 STEP_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \[rank (\d+)\] INFO step +(\d+) ")
@@ -138,7 +143,7 @@ def test_watchdog_dumps_every_thread_and_exits(tmp_path):
     assert not exits
     assert wait_until(lambda: exits, 5)
     wd.stop()
-    assert exits == [observability.WATCHDOG_EXIT_CODE]
+    assert exits == [WATCHDOG_EXIT_CODE]
     text = (tmp_path / "watchdog" / "rank3_stacks.txt").read_text()
     assert "rank 3: no progress" in text and "last completed: step 7" in text
     assert "most recent call first" in text and "wait_until" in text  # the main thread's frame
@@ -176,7 +181,7 @@ def test_watchdog_gives_the_first_step_longer(tmp_path):
 FALLBACK_SCRIPT = """
 import re, sys, time
 from pathlib import Path
-from trainer.observability import Watchdog
+from trainer.observability.watchdog import Watchdog
 mode = sys.argv[2]
 wd = Watchdog(0.5 if mode == "gil" else 600, Path(sys.argv[1]), rank=5, poll_s=0.05, backstop_grace_s=0.5)
 wd.start()
@@ -215,7 +220,7 @@ def test_watchdog_fallbacks_work_while_the_gil_is_held_and_on_sigterm(tmp_path):
 
 def test_cuda_oom_dumps_a_snapshot_writes_the_summary_and_reraises(tmp_path, monkeypatch, trainer_log):
     dumped = []
-    monkeypatch.setattr(observability.profiling, "dump_cuda_snapshot", lambda p: (dumped.append(p), p.write_bytes(b"x")))
+    monkeypatch.setattr(profiling, "dump_cuda_snapshot", lambda p: (dumped.append(p), p.write_bytes(b"x")))
     trainer = fake_trainer(tmp_path, "--comm.watchdog_timeout_seconds", "0", device="cuda")
     with pytest.raises(torch.cuda.OutOfMemoryError):
         with Observability(trainer) as obs:
@@ -266,13 +271,13 @@ def test_config_checks(tmp_path):
     for args in (["--profiling.enable_profiling", "--profiling.profile_freq", "3", "--profiling.profiler_warmup", "3"],
                  ["--comm.watchdog_timeout_seconds", "-1"]):
         with pytest.raises(ConfigError):
-            Observability(fake_trainer(tmp_path, *args, metrics=False))
+            validate(fake_trainer(tmp_path, *args, metrics=False).config)
 
 
 def test_wandb_missing_package_warns_and_continues(tmp_path, monkeypatch, trainer_log):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
     config = load_config(["--metrics.enable_wandb", "--job.dump_folder", str(tmp_path)], env={})
-    assert observability.build_wandb_writer(config, tmp_path) is None
+    assert build_wandb_writer(config, tmp_path) is None
     assert any("wandb package is not installed" in line for line in trainer_log)
 
 
@@ -285,12 +290,12 @@ def test_wandb_writer_logs_numbers_and_resumes_the_same_run(tmp_path, monkeypatc
     monkeypatch.delenv("WANDB_RUN_ID", raising=False)
     config = load_config(["--metrics.enable_wandb", "--job.dump_folder", str(tmp_path)], env={})
     metrics = MetricsWriter(tmp_path, enabled=True, tensorboard_dir=None)
-    metrics.add_sink(observability.build_wandb_writer(config, tmp_path))
+    metrics.add_sink(build_wandb_writer(config, tmp_path))
     metrics.write({"step": 4, "loss": 1.5, "skipped": False, "skip_reason": "x", "mfu": None})
     metrics.close()
     assert calls[1] == ("log", 4, {"loss": 1.5, "skipped": 0.0}) and calls[2] == ("finish",)
     first_id = calls[0][1]["id"]
-    observability.build_wandb_writer(config, tmp_path)
+    build_wandb_writer(config, tmp_path)
     assert calls[3][1]["id"] == first_id and calls[3][1]["resume"] == "allow"
 
 

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from trainer.config import LRScheduler, Optimizer
-from trainer.optim import LRSchedule, build_optimizer
+from trainer.optim.config import LRScheduler, Optimizer
+from trainer.optim.optimizer import LRSchedule, build_optimizer
 
 
 def sched(**kw):

@@ -147,10 +147,10 @@ def test_float8_scale_precompute_runs_after_the_optimizer_step(tmp_path):
 
 
 def test_float8_precompute_needs_float8_all_gather():
-    from trainer.config import ConfigError, load_config
+    from trainer.config import ConfigError, load_config, validate
 
     with pytest.raises(ConfigError, match="needs enable_fsdp_float8_all_gather"):
-        load_config(["--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"], env={})
+        validate(load_config(["--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"], env={}))
 
 
 def test_float8_all_gather_refused_on_cpu(tmp_path):

@@ -4,8 +4,9 @@ import pytest
 
 from tests.test_parallel import STEPS, relative_diffs
 from tests.utils import losses, run_train
-from trainer.config import ConfigError, load_config
-from trainer.parallel.pipeline import SCHEDULES, bubble_fraction, plan_stages
+from trainer.config import ConfigError, load_config, validate
+from trainer.parallel.config import SCHEDULES, plan_stages
+from trainer.parallel.pipeline import bubble_fraction
 
 PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]
 
@@ -38,7 +39,9 @@ def test_pp_composes_with_fsdp_and_tp(extra, local_batch, single, tmp_path):
 
 
 def cfg(*argv):
-    return load_config(["--parallelism.pipeline_parallel_degree", "2", *argv], env={})
+    config = load_config(["--parallelism.pipeline_parallel_degree", "2", *argv], env={})
+    validate(config)
+    return config
 
 
 def test_stage_plans():

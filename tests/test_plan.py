@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from trainer.config import load_config
-from trainer.models.llama import LlamaModelArgs, Transformer, count_params, flops_per_token, model_num_params
+from trainer.models.llama.args import LlamaModelArgs
+from trainer.models.llama.flops import count_params, flops_per_token, model_num_params
+from trainer.models.llama.model import Transformer
 from trainer.tools.plan.cli import main, model_args_for_plan, plan
 from trainer.tools.plan.memory import Layout, Precision, Shape, layer_bytes, memory_estimate, search_layouts
-from trainer.models import resolve_model_args
+from trainer.models.config import resolve_model_args
 from trainer.data.tokenizer import load_tokenizer
 
 from .utils import ROOT

@@ -26,7 +26,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 from torchtitan_ext.generate import generate, main as generate_main  # noqa: E402
 from torchtitan_ext.native import save_native_checkpoint  # noqa: E402
 from trainer.config import load_config  # noqa: E402
-from trainer.models import resolve_model_args  # noqa: E402
+from trainer.models.config import resolve_model_args  # noqa: E402
 from trainer.data.tokenizer import load_tokenizer  # noqa: E402
 from tests.utils import fast_model  # noqa: E402
 

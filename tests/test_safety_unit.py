@@ -128,7 +128,7 @@ def test_signal_sets_flag_and_agreement_waits_for_check_step():
 
 
 def test_skipped_documents_counted_by_kind_resumed_exactly_and_stop_names_file_and_line(tmp_path):
-    from trainer.data import build_train_loader
+    from trainer.data.loader import build_train_loader
     from trainer.data.faults import SkipMonitor
     from trainer.data.testing import ByteTokenizer, make_config, synthetic_texts
     from trainer.errors import DataError

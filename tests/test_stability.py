@@ -14,38 +14,34 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from torchtitan_ext.stability import (
-    AlphaSchedule,
-    EmbeddingGradShrink,
-    FaultInjection,
-    LRRewarmup,
-    SkipRanges,
-    StepGuard,
-    StopTraining,
-    ZLoss,
-    build_stability_callbacks,
-    normalize_ranges,
-    random_tokens_like,
-    shrink_embedding_grad,
-    z_loss,
-)
+from torchtitan_ext.stability.callbacks import build_stability_callbacks
+from torchtitan_ext.stability.config import normalize_ranges
+from torchtitan_ext.stability.embedding import AlphaSchedule, EmbeddingGradShrink, shrink_embedding_grad
+from torchtitan_ext.stability.faults import FaultInjection, random_tokens_like
+from torchtitan_ext.stability.guard import StepGuard, StopTraining
+from torchtitan_ext.stability.rewarmup import LRRewarmup
+from torchtitan_ext.stability.skip import SkipRanges
+from torchtitan_ext.stability.zloss import ZLoss, z_loss
 from trainer.callbacks import CallbackList
 from trainer.callbacks import RunView
-from trainer.config import ConfigError, JobConfig, LRScheduler, load_config
-from trainer.models.llama import LlamaModelArgs, Transformer
-from trainer.optim import LRSchedule
+from torchtitan_ext.config import ExtJobConfig
+from trainer.config import ConfigError, load_config, validate
+from trainer.optim.config import LRScheduler
+from trainer.models.llama.args import LlamaModelArgs
+from trainer.models.llama.model import Transformer
+from trainer.optim.optimizer import LRSchedule
 
 
-def make_config(**stability) -> JobConfig:
-    config = JobConfig()
+def make_config(**stability) -> ExtJobConfig:
+    config = ExtJobConfig()
     for k, v in stability.items():
         setattr(config.stability, k, v)
     return config
 
 
-def fake_trainer(config: JobConfig | None = None, **kw) -> RunView:
+def fake_trainer(config: ExtJobConfig | None = None, **kw) -> RunView:
     """The view callbacks get of a one-process run (no model needed by these tests)."""
-    fields = dict(config=config or JobConfig(), model_parts=[], model_args=SimpleNamespace(vocab_size=100),
+    fields = dict(config=config or ExtJobConfig(), model_parts=[], model_args=SimpleNamespace(vocab_size=100),
                   tokenizer=SimpleNamespace(vocab_size=100), optimizer=None, lr_schedule=None,
                   state=SimpleNamespace(step=0, resumed_from_step=None), device=torch.device("cpu"),
                   dims=SimpleNamespace(dp=1), seed=0, dp_rank=0, accum_steps=1, pp_microbatches=None,
@@ -173,7 +169,7 @@ def commit_marker(folder: Path, step: int) -> None:
     """What a finished save leaves (see trainer/checkpoint.py): DCP metadata and the commit marker."""
     import json
 
-    from trainer import checkpoint as ckpt
+    from trainer.checkpoint import layout as ckpt
 
     (folder / ckpt.DCP_METADATA).write_bytes(b"x" * 10)
     (folder / ckpt.MARKER).write_text(json.dumps({"format": ckpt.FORMAT_VERSION, "step": step,
@@ -211,10 +207,10 @@ def test_consecutive_bad_steps_stop_the_run_naming_the_last_good_checkpoint(tmp_
 
 def test_guard_config_is_validated():
     with pytest.raises(ConfigError, match="spike_min_history"):
-        load_config(["--stability.spike_guard", "--stability.spike_window", "5", "--stability.spike_min_history", "10"],
-                    env={})
+        validate(load_config(["--stability.spike_guard", "--stability.spike_window", "5",
+                              "--stability.spike_min_history", "10"], env={}))
     with pytest.raises(ConfigError, match="max_consecutive_bad_steps"):
-        load_config(["--stability.max_consecutive_bad_steps", "-1"], env={})
+        validate(load_config(["--stability.max_consecutive_bad_steps", "-1"], env={}))
 
 
 def test_guard_state_survives_a_resume_exactly():
@@ -284,9 +280,9 @@ def test_embedding_alpha_schedule_metrics_and_state():
     assert [sched(s) for s in (1, 10, 15, 20, 30)] == pytest.approx([1.0, 1.0, 0.55, 0.1, 0.1])
     assert AlphaSchedule(0.1)(1) == 0.1
     with pytest.raises(ConfigError, match="embedding_grad_alpha_steps"):
-        load_config(["--stability.embedding_grad_alpha_steps", "5"], env={})
+        validate(load_config(["--stability.embedding_grad_alpha_steps", "5"], env={}))
     with pytest.raises(ConfigError, match="embedding_grad_alpha "):
-        load_config(["--stability.embedding_grad_alpha", "1.5"], env={})
+        validate(load_config(["--stability.embedding_grad_alpha", "1.5"], env={}))
     cb = EmbeddingGradShrink(sched)
     cb.on_batches(None, 15, [])
     assert cb.metrics(None, 15) == {"embedding_grad_alpha": pytest.approx(0.55)}
@@ -412,11 +408,11 @@ def test_lr_rewarmup_after_load_and_resume_time_schedule_changes():
 
 
 def test_checkpointed_state_has_the_same_keys_whatever_is_enabled():
-    default = CallbackList(build_stability_callbacks(JobConfig()))
+    default = CallbackList(build_stability_callbacks(ExtJobConfig()))
     config = make_config(skip_steps=[[3, 4]], spike_guard=True, embedding_grad_shrink=True,
                          lr_rewarmup_steps_after_load=5)
-    config.training.z_loss_weight = 1e-4
-    config.debug.inject_bad_data_steps = [2]
+    config.stability.z_loss_weight = 1e-4
+    config.stability.inject_bad_data_steps = [2]
     everything = CallbackList(build_stability_callbacks(config))
 
     def keys(d, prefix=""):

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.utils import read_metrics, run_train
-from trainer.config import LRScheduler
-from trainer.optim import LRSchedule
+from trainer.optim.config import LRScheduler
+from trainer.optim.optimizer import LRSchedule
 
 STEPS = 18
 BASE = [

@@ -16,8 +16,9 @@ import torch
 
 from tests.utils import ROOT
 from trainer.compat import REFUSED
-from trainer.config import ConfigError, LRScheduler, leaf_keys, load_config, section_of, validate
-from trainer.optim import LRSchedule
+from trainer.config import ConfigError, leaf_keys, load_config, section_of, validate
+from trainer.optim.config import LRScheduler
+from trainer.optim.optimizer import LRSchedule
 
 ASSETS = ROOT / "tests" / "assets" / "torchtitan"
 # torchtitan v0.2.2's JobConfig: every key with its type and default (facts read from its source).
@@ -142,7 +143,7 @@ def test_flavor_and_boolean_flags_from_torchtitan_command_lines():
 
 def test_torchtitan_dataset_names_read_local_files(tmp_path):
     with pytest.raises(ConfigError, match="set training.dataset_path to a local copy"):
-        load_config(["--training.dataset", "c4"], env={})
+        validate(load_config(["--training.dataset", "c4"], env={}))
     c4 = make_c4(tmp_path / "c4", docs=5)
     from trainer.data.sources import training_specs, validation_spec
 

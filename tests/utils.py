@@ -61,7 +61,7 @@ def fast_model(args, seed: int = 0) -> "Transformer":
     mixed-up norm mapping would show."""
     import torch
 
-    from trainer.models.llama import Transformer
+    from trainer.models.llama.model import Transformer
 
     with torch.device("meta"):
         model = Transformer(args)

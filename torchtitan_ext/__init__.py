@@ -1,20 +1,18 @@
 """Capabilities beyond the torchtitan baseline. The core reaches them only through ``register``, which
-trainer/extensions.py calls: a config section, its rules, the callbacks a run needs, and the ``trainer``
-subcommands. Registration imports nothing heavy; the callbacks and commands load on first use."""
+trainer/extensions.py calls: config sections (config.py), their rules, the callbacks a run needs, and the
+``trainer`` subcommands. Registration imports nothing heavy; the callbacks and commands load on first use."""
 
 from __future__ import annotations
 
+from torchtitan_ext.config import ALIASES, SECTION_DOC, ExtJobConfig
+
 
 def register(registry) -> None:
-    from torchtitan_ext.stability.config import Stability
-
-    registry.add_section("stability", Stability,
-                         "Skipping steps, spike and NaN guards, embedding-gradient shrink (see docs/stability.md).")
+    registry.add_sections(ExtJobConfig, SECTION_DOC)
+    for former, current in ALIASES.items():
+        registry.add_alias(former, current)
     registry.add_rule("torchtitan_ext.stability.config:check_config")
-    registry.add_callbacks("torchtitan_ext.stability:build_stability_callbacks")
-    from torchtitan_ext.evaluation.config import Eval
-
-    registry.add_section("eval", Eval, "lm-eval tasks scored on the model during training (see docs/export_eval.md).")
+    registry.add_callbacks("torchtitan_ext.stability.callbacks:build_stability_callbacks")
     registry.add_rule("torchtitan_ext.evaluation.config:check_config")
     registry.add_callbacks("torchtitan_ext.evaluation.callback:build_eval_callbacks")
     registry.add_command("export", "torchtitan_ext.hf", "export a checkpoint to a Hugging Face Llama folder (safetensors)")

@@ -21,7 +21,7 @@ import torch
 
 from tokenizer.policy import align_export, token_string
 from torchtitan_ext.native import load_hf_model, parse_dtype
-from trainer.checkpoint import CheckpointNotFound, checkpoint_model_entries
+from trainer.checkpoint.offline import CheckpointNotFound, checkpoint_model_entries
 from trainer.tools.checkpoint_model import describe_checkpoint
 from trainer.models.llama.hf_adapter import (
     SAFETENSORS_INDEX,
@@ -329,7 +329,7 @@ def _export_streaming(info, out: Path, dtype: torch.dtype, max_shard_bytes: int)
 
 def _expected_shapes(args) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
-        from trainer.models.llama import Transformer
+        from trainer.models.llama.model import Transformer
 
         model = Transformer(args)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}

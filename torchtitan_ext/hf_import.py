@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from trainer.errors import CheckpointError, ConfigError
+from trainer.models.config import model_config_keys
 from trainer.models.llama.hf_adapter import (
     HFReader,
     native_to_hf_key,
@@ -146,8 +147,6 @@ def _toml_value(v) -> str:
 def import_toml(args, step_dir: Path, folder: Path) -> str:
     """The config to continue pretraining with: the folder's architecture as [model] keys, the seed as
     checkpoint.initial_load_path, and the folder as hf_assets_path when it holds a tokenizer."""
-    from trainer.models import model_config_keys
-
     model = {"name": "llama3", **model_config_keys(args)}
     if any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
         model["hf_assets_path"] = str(folder.resolve())

@@ -92,7 +92,7 @@ def load_native(
 def build_model(args, state_dict: dict[str, torch.Tensor], *, device="cpu", dtype=torch.float32,
                 source: str = "checkpoint"):
     """A ``Transformer(args)`` holding ``state_dict`` (native FQNs), in eval mode."""
-    from trainer.models.llama import Transformer
+    from trainer.models.llama.model import Transformer
 
     with torch.device("meta"):
         model = Transformer(args)

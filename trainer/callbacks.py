@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from trainer import extensions
+
 if TYPE_CHECKING:
     from trainer.config import JobConfig
 
@@ -25,7 +27,7 @@ class RunView:
     model_args: Any  # the resolved architecture (trainer.models.llama.LlamaModelArgs)
     tokenizer: Any
     optimizer: torch.optim.Optimizer
-    lr_schedule: Any  # trainer.optim.LRSchedule
+    lr_schedule: Any  # trainer.optim.optimizer.LRSchedule
     state: Any  # trainer.checkpoint.TrainState: step, tokens_seen, skipped_steps, resumed_from_step
     device: torch.device
     dims: Any  # trainer.parallel.dims.ParallelDims
@@ -141,6 +143,4 @@ class CallbackList:
 
 def build_callbacks(config: "JobConfig") -> CallbackList:
     """The callbacks a config asks for, from every registered extension."""
-    from trainer import extensions
-
-    return CallbackList(extensions.build_callbacks(config))
+    return CallbackList([cb for factory in extensions.callback_factories() for cb in factory(config)])

@@ -6,7 +6,8 @@ config files load unchanged, and refused in one line naming the key and why as s
 anything else: no key is ever silently ignored. ``resolve`` maps torchtitan's names onto ours right after
 parsing (``load_config``), before any rule runs.
 
-This module imports nothing heavy: ``validate`` (the launcher's pre-flight) runs ``check``.
+This module imports nothing heavy: ``validate`` (the launcher's pre-flight) runs ``check``. The value rules
+of supported keys live with their sections (trainer/config/validate.py says where).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 from typing import Any
 
 from trainer.errors import ConfigError
+from trainer.models.llama.flavors import TORCHTITAN_FLAVORS
 
 logger = logging.getLogger("trainer")
 
@@ -130,19 +132,12 @@ def check(config) -> None:
         if c in REFUSED_CONVERTERS:
             raise ConfigError(f"model.converters: {c!r} is not supported: {REFUSED_CONVERTERS[c]}")
     _check_loader_workers(config)
-    v = config.validation
-    if v.seq_len != -1 and not 1 <= v.seq_len <= config.training.seq_len:
-        raise ConfigError(f"validation.seq_len must be -1 (training.seq_len) or in [1, training.seq_len = "
-                          f"{config.training.seq_len}], got {v.seq_len}")
-    t = config.lr_scheduler.total_steps
-    if t is not None and t < 1:
-        raise ConfigError(f"lr_scheduler.total_steps must be None (training.steps) or >= 1, got {t}")
 
 
 def _check_loader_workers(config) -> None:
     """torchtitan's [training.dataloader] against its [data] namesakes, with PyTorch's own rules."""
     w, d = config.training.dataloader, config.data
-    explicit = getattr(config, "explicitly_set", lambda _key: False)
+    explicit = config.explicitly_set
     for name in ("num_workers", "pin_memory", "prefetch_factor"):
         ours, theirs = getattr(d, name), getattr(w, name)
         if explicit(f"data.{name}") and explicit(f"training.dataloader.{name}") and ours != theirs:
@@ -159,9 +154,7 @@ def _check_loader_workers(config) -> None:
 
 def resolve(config) -> None:
     """Map torchtitan's names onto this trainer's, in place (called once, right after parsing)."""
-    from trainer.models.llama.flavors import TORCHTITAN_FLAVORS
-
-    explicit = getattr(config, "explicitly_set", lambda _key: False)
+    explicit = config.explicitly_set
     m = config.model
     # torchtitan's flavor names ("8B"): every consumer of model.flavor then sees the one table's name.
     m.flavor = TORCHTITAN_FLAVORS.get(m.name, {}).get(m.flavor, m.flavor)

@@ -3,7 +3,10 @@
 The core (``trainer/``) never imports an extension package. Each package named in ``EXTENSION_PACKAGES``
 exposes ``register(registry)``, which adds what the package brings:
 
-- config sections (``[stability]``), with their documentation, merged into ``JobConfig``;
+- config sections (``[stability]``), declared as fields of a ``JobConfig`` subclass (``add_sections``): the
+  parser builds that class, so extension code sees ``config.stability`` as a typed attribute, and the core
+  never names it;
+- former names of keys that moved into an extension's section (``add_alias``), still accepted;
 - config rules, run by ``trainer.config.validate`` with every core rule (so the launcher's pre-flight
   sees them);
 - callbacks, built per run from the config (``trainer.callbacks.Callback``);
@@ -17,10 +20,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
-
-if TYPE_CHECKING:
-    from trainer.callbacks import Callback
+from typing import Any, Callable
 
 EXTENSION_PACKAGES: tuple[str, ...] = ("torchtitan_ext",)
 
@@ -33,15 +33,31 @@ def resolve(target: str) -> Callable[..., Any]:
 
 @dataclass
 class Registry:
-    sections: dict[str, tuple[type, str]] = field(default_factory=dict)  # name -> (dataclass, doc)
+    # The JobConfig subclass declaring the extensions' sections (None: trainer.config's JobConfig), and
+    # one line of documentation per section it adds.
+    job_config: type | None = None
+    section_docs: dict[str, str] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)  # former dotted key -> current dotted key
     rules: list[str] = field(default_factory=list)  # "module:function", called as f(config, world_size)
     callback_factories: list[str] = field(default_factory=list)  # "module:function", f(config) -> [Callback]
     commands: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (module with main, doc)
 
-    def add_section(self, name: str, cls: type, doc: str) -> None:
-        if name in self.sections:
-            raise ValueError(f"config section [{name}] registered twice")
-        self.sections[name] = (cls, doc)
+    def add_sections(self, job_config: type, docs: dict[str, str]) -> None:
+        """``job_config`` subclasses the JobConfig in use so far (trainer.config's, or the previous
+        package's), adding one field per section; ``docs`` has one line for each of them."""
+        if self.job_config is not None and not issubclass(job_config, self.job_config):
+            raise ValueError(f"{job_config.__name__} must subclass {self.job_config.__name__}, registered before it")
+        for name in docs:
+            if name in self.section_docs:
+                raise ValueError(f"config section [{name}] registered twice")
+        self.job_config = job_config
+        self.section_docs.update(docs)
+
+    def add_alias(self, former: str, current: str) -> None:
+        """Accept ``former`` (a dotted key that moved) as ``current``, in TOML files and on the command line."""
+        if former in self.aliases:
+            raise ValueError(f"alias {former} registered twice")
+        self.aliases[former] = current
 
     def add_rule(self, target: str) -> None:
         self.rules.append(target)
@@ -69,12 +85,10 @@ def registry() -> Registry:
     return _REGISTRY
 
 
-def build_callbacks(config) -> list["Callback"]:
-    """Every extension's callbacks for this config, in registration order."""
-    out: list[Callback] = []
-    for target in registry().callback_factories:
-        out += resolve(target)(config)
-    return out
+def callback_factories() -> list[Callable[[Any], list]]:
+    """Every extension's callback factory, in registration order: ``f(config)`` -> its callbacks
+    (``trainer.callbacks`` builds the run's list; the registry does not depend on it)."""
+    return [resolve(target) for target in registry().callback_factories]
 
 
 def check_config(config, world_size: int) -> None:

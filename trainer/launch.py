@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from trainer.config import load_config
+
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 
 
@@ -49,9 +51,7 @@ def record_failure(label: str, message: str) -> None:
 def _job(trainer_argv: list[str]) -> tuple[str, int]:
     """(job.dump_folder, job.lock_stale_after_s) of the trainer's command line."""
     try:
-        from trainer.config import load_config
-
-        job = load_config(trainer_argv).job
+        job = load_config(trainer_argv).job  # parsing only: the pre-flight validated
         return job.dump_folder, job.lock_stale_after_s
     except Exception:  # the pre-flight has validated the config; this is only where the log goes
         return "./outputs", 300

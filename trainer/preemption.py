@@ -29,7 +29,7 @@ import torch.distributed as dist
 from trainer.errors import TrainerError
 
 if TYPE_CHECKING:
-    from trainer.checkpoint import CheckpointManager
+    from trainer.checkpoint.manager import CheckpointManager
 
 logger = logging.getLogger("trainer")
 

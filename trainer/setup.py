@@ -25,7 +25,8 @@ from trainer.config import JobConfig
 from trainer.parallel.dims import ParallelDims, device_type
 from trainer.parallel.init import init_weights
 from trainer.parallel.parallelize import parallelize
-from trainer.parallel.pipeline import build_schedule, build_stage_model, plan_stages, schedule_name
+from trainer.parallel.config import plan_stages, schedule_name
+from trainer.parallel.pipeline import build_schedule, build_stage_model
 
 logger = logging.getLogger("trainer")
 

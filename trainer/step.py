@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from trainer.optim import step_unless
+from trainer.optim.optimizer import step_unless
 
 # (logits, loss already divided by the step's tokens, the step's tokens per rank) -> the loss with added terms
 ExtraLoss = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]

@@ -26,21 +26,25 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from trainer import compat, launch, logs, observability, preemption, runlock
+from trainer import compat, launch, logs, preemption, runlock
 from trainer import step as steps  # as a module (``step`` is the step number here): steps.forward_backward ...
 from trainer.callbacks import CallbackList, RunView, build_callbacks
-from trainer.checkpoint import CheckpointManager, TrainState
+from trainer.checkpoint.manager import CheckpointManager
+from trainer.checkpoint.state import TrainState
 from trainer.config import JobConfig, help_text, load_config, to_toml, validate
 from trainer.errors import OutputError, TrainerError
-from trainer.data import build_train_loader, build_val_loader
+from trainer.data.loader import build_train_loader, build_val_loader
 from trainer.data.checks import grad_accum_steps
 from trainer.data.faults import SkipMonitor
 from trainer.data.tokenizer import load_tokenizer
 from trainer.fingerprint import sequence_fingerprint, wrap_int64
 from trainer.metrics import MetricsWriter, Throughput, console_line, format_eta, memory_gib, peak_tflops, use_color
-from trainer.models import resolve_model_args
-from trainer.models.llama import Transformer, flops_per_token, model_num_params
-from trainer.optim import LRSchedule, build_optimizer, supports_device_skip
+from trainer.models.config import resolve_model_args
+from trainer.models.llama.flops import flops_per_token, model_num_params
+from trainer.models.llama.model import Transformer
+from trainer.observability.flight_recorder import setup_flight_recorder
+from trainer.observability.session import Observability, ObservedRun
+from trainer.optim.optimizer import LRSchedule, build_optimizer, supports_device_skip
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.float8 import register_float8_scale_precompute
 from trainer.parallel.parallelize import DTYPES, set_compile_cache
@@ -73,7 +77,7 @@ class Trainer:
         self.rank = int(os.environ.get("RANK", 0))
         self.dims = ParallelDims.from_config(config.parallelism, self.world_size)
         self.device = init_device()
-        observability.setup_flight_recorder(config)  # before the process group reads its variables
+        setup_flight_recorder(config)  # before the process group reads its variables
         init_process_group(self.device, config.comm.init_timeout_seconds)
         self.mesh = self.dims.build_mesh(self.device.type)
         self.dp_rank = self.dims.dp_mesh.get_local_rank()
@@ -185,9 +189,9 @@ class Trainer:
             finish_checkpoints=lambda: self.checkpointer.finish(),
         )
 
-    def observed_run(self) -> observability.ObservedRun:
+    def observed_run(self) -> ObservedRun:
         """What the observability session around the loop reads (profiler, watchdog, summary.json)."""
-        return observability.ObservedRun(
+        return ObservedRun(
             config=self.config, state=self.state, device=self.device, rank=self.rank, world_size=self.world_size,
             is_logging_rank=self.is_logging_rank, metrics=self.metrics, flops_per_token=self.flops_per_token,
             peak_tflops=self.throughput.peak, checkpointer=self.checkpointer)
@@ -369,7 +373,7 @@ class Trainer:
         stopping.install()
         # Profiler, memory snapshots, hang watchdog; the run summary (summary.json) at the end or on failure.
         try:
-            with observability.Observability(self.observed_run()) as obs:
+            with Observability(self.observed_run()) as obs:
                 for step in range(start_step + 1, config.training.steps + 1):
                     self.run_step(step, obs)
                     if step == start_step + 1:

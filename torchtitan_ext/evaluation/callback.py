@@ -15,16 +15,19 @@ import logging
 import os
 import random
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainer.callbacks import Callback
 
+if TYPE_CHECKING:
+    from torchtitan_ext.config import ExtJobConfig
+
 logger = logging.getLogger("trainer")
 
 
-def build_eval_callbacks(config) -> list[Callback]:
+def build_eval_callbacks(config: ExtJobConfig) -> list[Callback]:
     return [LMEvalCallback(config.eval)] if config.eval.freq > 0 else []
 
 

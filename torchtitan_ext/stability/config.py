@@ -1,4 +1,7 @@
-"""The [stability] config section.
+"""The [stability] config section and its rules.
+
+Its z-loss and fault-drill keys were once in [training] and [debug] (torchtitan has no such keys); their
+former names stay accepted as aliases (registered in torchtitan_ext/__init__.py).
 
 Every field has a string under it: that string is the user documentation (``--help`` and docs/config.md
 are generated from it). See docs/stability.md for how the tools fit together.
@@ -50,6 +53,12 @@ class Stability:
     lr_rewarmup_steps_after_load: int = 0
     """After resuming from a checkpoint, scale the learning rate up linearly from 0 over this many steps
     (GLM-130B's remedy after a restart); 0 disables."""
+    z_loss_weight: float = 0.0
+    """Weight of the z-loss (log of the softmax normaliser, squared) added to the loss; 0 disables."""
+    inject_bad_data_steps: list[int] = field(default_factory=list)
+    """Fault drill: replace the batch at these steps with uniformly random tokens."""
+    inject_nonfinite_loss_steps: list[int] = field(default_factory=list)
+    """Fault drill: force a non-finite loss at these steps."""
 
 
 def normalize_ranges(ranges: list[list[int]], key: str = "stability.skip_steps") -> list[tuple[int, int]]:
@@ -77,6 +86,8 @@ def normalize_ranges(ranges: list[list[int]], key: str = "stability.skip_steps")
 def check_config(config, world_size: int | None = None) -> None:
     """The [stability] rules (registered with the core's config validation)."""
     s = config.stability
+    if s.z_loss_weight < 0:
+        raise ConfigError(f"stability.z_loss_weight must be >= 0, got {s.z_loss_weight}")
     normalize_ranges(s.skip_steps)
     if s.spike_guard:
         if s.spike_window < 2:

@@ -1,4 +1,4 @@
-"""Fault drills (``[debug] inject_bad_data_steps``, ``inject_nonfinite_loss_steps``): show the guards
+"""Fault drills (``[stability] inject_bad_data_steps``, ``inject_nonfinite_loss_steps``): show the guards
 working on a real run."""
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ def global_mean_loss(run, loss: torch.Tensor) -> torch.Tensor:
 
 def find_checkpoints(folder: Path) -> list[int]:
     """Steps of the complete checkpoints in ``folder``, ascending (the checkpoint layout's own scanner)."""
-    from trainer.checkpoint import scan_folder
+    from trainer.checkpoint.layout import scan_folder
 
     return sorted({c.step for c in scan_folder(Path(folder)) if c.complete})  # a step-N and its final-step-N: once
 

@@ -42,7 +42,7 @@ def logsumexp_last_dim(logits: torch.Tensor) -> torch.Tensor:
     vocab_dim = logits.ndim - 1
     if logits.device_mesh.ndim != 1 or not (isinstance(placements[0], Shard) and placements[0].dim in (-1, vocab_dim)):
         raise RuntimeError(
-            f"training.z_loss_weight: unsupported logits layout {placements} on a {logits.device_mesh.ndim}-D mesh; "
+            f"stability.z_loss_weight: unsupported logits layout {placements} on a {logits.device_mesh.ndim}-D mesh; "
             "z-loss supports replicated logits or logits sharded on the vocabulary dimension over one mesh "
             "dimension (tensor-parallel loss parallel). Set parallelism.disable_loss_parallel = true to use "
             "gathered logits instead."

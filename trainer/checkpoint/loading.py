@@ -31,15 +31,15 @@ from trainer.checkpoint.layout import (
     inspect_checkpoint,
     scan_folder,
 )
+from trainer.checkpoint.config import STATE_KEYS
 from trainer.checkpoint.state import (
-    STATE_KEYS,
     Components,
     TrainState,
     load_loader_global_state,
     unpickle_bytes,
 )
 from trainer.errors import CheckpointError, ConfigError
-from trainer.models import load_hf_weights
+from trainer.models.hf import load_hf_weights
 
 logger = logging.getLogger("trainer")
 

@@ -22,11 +22,10 @@ from typing import Any
 
 import torch
 
+from trainer.data.loader import merge_states
 from trainer.errors import CheckpointError
 from trainer.parallel import clean_fqn
 
-# State entries a checkpoint holds; checkpoint.exclude_from_loading may name any of them.
-STATE_KEYS = ("model", "optimizer", "lr_scheduler", "train_state", "callbacks", "dataloader", "rng")
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -139,27 +138,17 @@ def merge_model_parts(parts: list) -> torch.nn.Module:
 
 def merge_loader_states(loader: Any, states: list) -> Any:
     """One global data-loader state from every data-parallel rank's state (the loader's own
-    ``merge_states``, else ``trainer.data.merge_states``)."""
-    import trainer.data as data_mod
-
-    fn = getattr(loader, "merge_states", None) or getattr(data_mod, "merge_states", None)
-    if fn is None:
-        raise CheckpointError("the data loader provides no merge_states(): its state cannot be checkpointed")
+    ``merge_states``, else ``trainer.data.loader.merge_states``)."""
+    fn = getattr(loader, "merge_states", None) or merge_states
     return fn(states)
 
 
 def load_loader_global_state(loader: Any, global_state: Any) -> None:
     """Restore a merged data-loader state into this rank's loader (under any data-parallel degree)."""
-    import trainer.data as data_mod
-
     fn = getattr(loader, "load_global_state", None)
-    if fn is not None:
-        fn(global_state)
-        return
-    fn = getattr(data_mod, "load_global_state", None)
     if fn is None:
         raise CheckpointError("the data loader provides no load_global_state(): its state cannot be restored")
-    fn(loader, global_state)
+    fn(global_state)
 
 
 @dataclass

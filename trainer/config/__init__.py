@@ -1,25 +1,26 @@
-"""Job configuration: dataclass sections, TOML + command-line parsing, every rule, and the reference.
+"""Job configuration: the declared ``JobConfig``, TOML + command-line parsing, the reference, and
+``validate`` which runs every layer's rules.
 
-- ``sections.py``: one dataclass per TOML section; the string under each field is its documentation.
-- ``keys.py``: introspection: sections, dotted keys, field docs, type names.
-- ``parse.py``: defaults < TOML file < command line, with unknown keys and wrong types refused.
-- ``validate.py``: every rule, ``validate(config, world_size)``; the launcher runs it before torchrun.
+- ``sections.py``: the job-level sections and ``JobConfig``; each layer declares its own sections, with their
+  rules, in ``trainer/<layer>/config.py`` (torch-free); extensions subclass ``JobConfig`` (registry).
+- ``keys.py``: introspection: the JobConfig class in use, sections, dotted keys, field docs, type names, aliases.
+- ``parse.py``: defaults < TOML file < command line, with unknown keys and wrong types refused; no validation.
+- ``rules.py``: the job-level sections' rules. ``validate.py``: ``validate(config, world_size)`` runs every
+  layer's rules in order; the launcher's pre-flight runs it once before torchrun, each worker once at start-up.
 - ``reference.py``: ``--help``, docs/config.md and the ``trainer config`` command.
 """
 
-from trainer.config.keys import field_docs, iter_sections, iter_values, leaf_keys, section_of, type_name
+from trainer.config.keys import (
+    aliases, field_docs, iter_sections, iter_values, job_config_class, leaf_keys, section_docs, section_of, type_name,
+)
 from trainer.config.parse import load_config, parse_cli, to_toml
 from trainer.config.reference import documented_keys, help_text, main, markdown_reference
-from trainer.config.sections import (  # the core sections
-    SECTION_DOC, ActivationCheckpoint, Checkpoint, Comm, Compile, Debug, Float8, Job, JobConfig, LRScheduler, Metrics,
-    Model, Optimizer, Parallelism, Profiling, Quantize, QuantizeLinear, Training, Validation,
-)
+from trainer.config.sections import SECTION_DOC, JobConfig
 from trainer.config.validate import validate
 from trainer.errors import ConfigError
 
 __all__ = [
-    "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "Debug", "Float8", "Job", "LRScheduler", "Metrics", "Model", "Optimizer", "Parallelism", "Profiling", "Quantize", "QuantizeLinear", "Training", "Validation",
-    "ConfigError", "JobConfig", "SECTION_DOC", "documented_keys", "field_docs", "help_text",
-    "iter_sections", "iter_values", "leaf_keys", "load_config", "main", "markdown_reference", "parse_cli",
-    "section_of", "to_toml", "type_name", "validate",
+    "ConfigError", "JobConfig", "SECTION_DOC", "aliases", "documented_keys", "field_docs", "help_text",
+    "iter_sections", "iter_values", "job_config_class", "leaf_keys", "load_config", "main", "markdown_reference",
+    "parse_cli", "section_docs", "section_of", "to_toml", "type_name", "validate",
 ]

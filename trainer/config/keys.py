@@ -1,4 +1,5 @@
-"""Introspection of the config dataclasses: sections, dotted keys, field docs and type names."""
+"""Introspection of the config dataclasses: the JobConfig class in use, sections, dotted keys, field docs,
+type names, and the former names of moved keys."""
 
 from __future__ import annotations
 
@@ -10,7 +11,24 @@ import types
 import typing
 from typing import Any, Literal
 
-from trainer.config.sections import JobConfig
+from trainer import extensions
+from trainer.config.sections import SECTION_DOC, JobConfig
+
+
+def job_config_class() -> type[JobConfig]:
+    """The class the parser builds: ``JobConfig``, or the subclass the extensions registered with their
+    sections."""
+    return extensions.registry().job_config or JobConfig
+
+
+def section_docs() -> dict[str, str]:
+    """One line per section (``--help``, docs/config.md): the core's and the extensions'."""
+    return {**SECTION_DOC, **extensions.registry().section_docs}
+
+
+def aliases() -> dict[str, str]:
+    """Former dotted key -> its current key; the parser accepts both (TOML and command line)."""
+    return dict(extensions.registry().aliases)
 
 
 def section_of(config, dotted: str) -> Any:
@@ -47,8 +65,9 @@ def is_section(tp: Any) -> bool:
     return dataclasses.is_dataclass(tp) and isinstance(tp, type)
 
 
-def iter_sections(cls: type = JobConfig, prefix: str = ""):
+def iter_sections(cls: type | None = None, prefix: str = ""):
     """Yield (dotted section name, dataclass type) for every section holding leaf keys."""
+    cls = job_config_class() if cls is None else cls
     types_ = field_types(cls)
     leaves = [f for f in dataclasses.fields(cls) if not is_section(types_[f.name])]
     if prefix and leaves:

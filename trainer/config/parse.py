@@ -1,7 +1,9 @@
 """Reading a config: TOML file + command line over the defaults, and writing it back as TOML.
 
 Precedence: command line > TOML file > defaults. Anything a user can get wrong (unknown key, wrong type)
-raises :class:`ConfigError` naming the key; the value rules are in ``validate.py``.
+raises :class:`ConfigError` naming the key. Parsing does not validate: the value rules run in
+``validate.py``, called once by whoever needs a valid config (the launcher's pre-flight, each worker at
+start-up, the command-line tools). A key that moved keeps its former name as an alias (``keys.aliases``).
 """
 
 from __future__ import annotations
@@ -17,9 +19,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from trainer import compat
-from trainer.config.keys import field_types, iter_sections, leaf_keys, section_of, type_name
+from trainer.config.keys import aliases, field_types, iter_sections, job_config_class, leaf_keys, section_of, type_name
 from trainer.config.sections import JobConfig
-from trainer.config.validate import validate
 from trainer.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -201,6 +202,17 @@ def _negated_flag(key: str, value: str | bool, known: dict) -> tuple[str, bool]:
     raise _unknown_key(key, list(known))
 
 
+def _renamed(keys: list[str], where: str) -> dict[str, str]:
+    """Each key -> its current name (a former name maps to the key it became). Giving both names of one key
+    in the same place is refused: which one wins would be a guess."""
+    former = aliases()
+    out = {key: former.get(key, key) for key in keys}
+    for old, new in out.items():
+        if old != new and new in keys:
+            raise ConfigError(f"{where}{old} is the former name of {new}; set only {new}")
+    return out
+
+
 def _is_number(s: str) -> bool:
     try:
         float(s)
@@ -210,12 +222,16 @@ def _is_number(s: str) -> bool:
 
 
 def load_config(argv: list[str] | None = None, env: dict[str, str] | None = None) -> JobConfig:
-    """Build the JobConfig from defaults, the TOML file (``--job.config_file`` or $CONFIG_FILE) and CLI."""
+    """Build the JobConfig from defaults, the TOML file (``--job.config_file`` or $CONFIG_FILE) and CLI.
+    Not validated: call ``validate`` (once) where a valid config is needed."""
     argv = list(sys.argv[1:] if argv is None else argv)
     env = os.environ if env is None else env
     known = leaf_keys()
     cli = {}
-    for key, value in parse_cli(argv).items():
+    given = parse_cli(argv)
+    current = _renamed(list(given), "--")
+    for key, value in given.items():
+        key = current[key]
         if key not in known:
             key, value = _negated_flag(key, value, known)
         cli[key] = value
@@ -235,7 +251,10 @@ def load_config(argv: list[str] | None = None, env: dict[str, str] | None = None
                               f"at offset {e.start}") from None
         except OSError as e:
             raise ConfigError(f"job.config_file: cannot read '{path}': {e.strerror}") from None
-        for key, value in _flatten_toml(data).items():
+        flat = _flatten_toml(data)
+        current = _renamed(list(flat), f"{path}: ")
+        for key, value in flat.items():
+            key = current[key]
             if key not in known:
                 raise ConfigError(f"{path}: {_unknown_key(key, list(known))}")
             values[key] = (value, False)
@@ -243,7 +262,7 @@ def load_config(argv: list[str] | None = None, env: dict[str, str] | None = None
     for key, value in cli.items():
         values[key] = (value, True)
 
-    config = JobConfig()
+    config = job_config_class()()
     for key, (value, from_cli) in values.items():
         cls, f = known[key]
         tp = field_types(cls)[f.name]
@@ -254,11 +273,9 @@ def load_config(argv: list[str] | None = None, env: dict[str, str] | None = None
         for part in key.split(".")[:-1]:
             section = getattr(section, part)
         setattr(section, f.name, converted)
-    object.__setattr__(config, "_explicit", set(values))
+    config.explicit_keys = set(values)
     compat.resolve(config)  # torchtitan's names (hf_assets_path, [training.dataloader]) onto ours
-    validate(config)
     return config
-
 
 
 def toml_value(v: Any) -> str:

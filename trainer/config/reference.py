@@ -7,16 +7,17 @@ import dataclasses
 import os
 import sys
 
-from trainer.config.keys import field_docs, field_types, is_section, iter_sections, section_of, type_name
+from trainer.config.keys import (
+    aliases, field_docs, field_types, is_section, iter_sections, job_config_class, section_docs, section_of, type_name,
+)
 from trainer.config.parse import load_config, to_toml, toml_value
-from trainer.config.sections import SECTION_DOC, JobConfig
 from trainer.config.validate import validate
 from trainer.errors import ConfigError
 
 
 def documented_keys():
     """Yield (section, field name, type, default, doc) for every key, in declaration order."""
-    defaults = JobConfig()
+    defaults = job_config_class()()
     for section, cls in iter_sections():
         docs = field_docs(cls)
         obj = section_of(defaults, section)
@@ -24,6 +25,14 @@ def documented_keys():
             tp = field_types(cls)[f.name]
             if not is_section(tp):
                 yield section, f.name, tp, getattr(obj, f.name), docs.get(f.name, "")
+
+
+def _former_names() -> dict[str, list[str]]:
+    """Current dotted key -> the former names it is still accepted under."""
+    out: dict[str, list[str]] = {}
+    for old, new in aliases().items():
+        out.setdefault(new, []).append(old)
+    return out
 
 
 def help_text() -> str:
@@ -34,12 +43,14 @@ def help_text() -> str:
         "the command line. Lists are comma-separated. Every key, with its default:",
     ]
     current = None
+    docs, former = section_docs(), _former_names()
     for section, name, tp, default, doc in documented_keys():
         if section != current:
-            lines += ["", f"[{section}]  {SECTION_DOC.get(section, '')}"]
+            lines += ["", f"[{section}]  {docs.get(section, '')}"]
             current = section
         lines.append(f"  --{section}.{name}  ({type_name(tp)}, default {default!r})")
         lines += [f"      {doc_line}" for doc_line in doc.splitlines()]
+        lines += [f"      Also accepted under its former name --{old}." for old in former.get(f"{section}.{name}", [])]
     return "\n".join(lines) + "\n"
 
 
@@ -56,11 +67,17 @@ def markdown_reference() -> str:
         "a bare `--section.key`, and false as `--section.no_key` or `--section.no-key`, as in torchtitan; lists",
         "comma-separated). Precedence: command line > TOML > defaults. torchtitan v0.2.x files load unchanged:",
         "see docs/coming_from_torchtitan.md.",
+        "",
+        "Each section is declared, with its rules, next to the code that uses it (`trainer/<layer>/config.py`;",
+        "the job-level ones in `trainer/config/`); `trainer/config/validate.py` lists where each rule lives. A",
+        "key that moved to another section stays accepted under its former name (an alias, noted in its row).",
     ]
     current = None
+    docs, former = section_docs(), _former_names()
     for section, name, tp, default, doc in documented_keys():
+        doc += "".join(f" Also accepted under its former name `{old}` (alias)." for old in former.get(f"{section}.{name}", []))
         if section != current:
-            out += ["", f"## [{section}]", "", SECTION_DOC.get(section, ""), "", "| key | type | default | meaning |",
+            out += ["", f"## [{section}]", "", docs.get(section, ""), "", "| key | type | default | meaning |",
                     "| --- | --- | --- | --- |"]
             current = section
         shown = "None" if default is None else toml_value(default)
@@ -86,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             # The launcher's pre-flight: fail in a fraction of a second, before torchrun starts.
             validate(config, int(os.environ.get("WORLD_SIZE", "1")))
             return 0
+        validate(config)  # `trainer config` prints a config only once its rules pass, as before
         print(to_toml(config))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

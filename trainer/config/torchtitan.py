@@ -2,15 +2,15 @@
 
 Each of these is torchtitan's section with its key names, types and defaults. Most of them configure a
 feature this trainer does not have (MX or grouped-GEMM quantisation, fault tolerance, FSDP memory
-estimation, custom JobConfig modules): such a key is accepted at its default and refused, in one line
+estimation, custom JobConfig modules; the MX and grouped-GEMM [quantize] sections live with float8 in
+trainer/parallel/config.py): such a key is accepted at its default and refused, in one line
 naming it and why, when set otherwise (the table of reasons is ``trainer/compat.py``). The loader-worker
 section ``[training.dataloader]`` is honoured (it maps onto ``[data]``). See docs/coming_from_torchtitan.md.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
 
 @dataclass
@@ -26,37 +26,6 @@ class LoaderWorkers:
     prefetch_factor: int | None = None
     """torchtitan's name for data.prefetch_factor (training loader; needs num_workers > 0, as in PyTorch).
     None: data.prefetch_factor."""
-
-
-@dataclass
-class MXLinear:
-    mxfp8_dim1_cast_kernel_choice: Literal["triton", "cuda", "torch"] = "triton"
-    """Refused unless "triton": MX (microscaling) training is not implemented here."""
-    recipe_name: str = "mxfp8_cublas"
-    """Refused unless "mxfp8_cublas": MX (microscaling) training is not implemented here."""
-    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
-    """Refused unless ["output"]: MX (microscaling) training is not implemented here."""
-
-
-@dataclass
-class Float8GroupedMM:
-    fqns: list[str] | str = field(default_factory=list)
-    """Refused unless empty: float8 grouped GEMMs are for mixture-of-experts layers, which the Llama models
-    here do not have."""
-
-
-@dataclass
-class MXGroupedMM:
-    recipe_name: Literal["mxfp8"] = "mxfp8"
-    """Accepted (its only value): MX grouped GEMMs are for mixture-of-experts layers, not present here."""
-    fqns: list[str] | str = field(default_factory=list)
-    """Refused unless empty: MX grouped GEMMs are for mixture-of-experts layers, not present here."""
-
-
-@dataclass
-class QuantizeGroupedMM:
-    float8: Float8GroupedMM = field(default_factory=Float8GroupedMM)
-    mx: MXGroupedMM = field(default_factory=MXGroupedMM)
 
 
 @dataclass
@@ -98,9 +67,6 @@ class Experimental:
 
 SECTION_DOC = {
     "training.dataloader": "torchtitan's loader-worker keys for training (the same as their [data] namesakes).",
-    "quantize.linear.mx": "torchtitan's MX quantisation (not implemented here; accepted at its defaults).",
-    "quantize.grouped_mm.float8": "torchtitan's float8 grouped GEMMs for MoE (no MoE here; defaults only).",
-    "quantize.grouped_mm.mx": "torchtitan's MX grouped GEMMs for MoE (no MoE here; defaults only).",
     "memory_estimation": "torchtitan's FSDP memory estimator (not here: use `trainer plan`; defaults only).",
     "fault_tolerance": "torchtitan's TorchFT integration (not supported; defaults only).",
     "experimental": "torchtitan's custom imports (extensions use trainer/extensions.py; defaults only).",

@@ -1,8 +1,13 @@
-"""Batch geometry and the [data] section's bounds: plain arithmetic on the config, no torch, so that the
-launcher's pre-flight (``validate``) can run them in a fraction of a second."""
+"""The data layer's config rules ([data], the training and validation sources) and batch geometry: no
+torch, so that the launcher's pre-flight (``validate``) runs them in a fraction of a second. The [data]
+section itself is declared in config.py."""
 
 from __future__ import annotations
 
+import os
+
+from trainer.data.c4 import DataNotLocal
+from trainer.data.sources import training_specs, validation_spec
 from trainer.errors import ConfigError
 
 
@@ -33,3 +38,34 @@ def batch_geometry(config, dp_world_size: int) -> tuple[int, int, int]:
     accum = grad_accum_steps(config, dp_world_size)
     b = int(config.training.local_batch_size)
     return b, b * dp_world_size * accum, accum
+
+
+def check_config(config) -> None:
+    """[data] bounds, and the sources and dataset names resolve (no file is opened: check_paths does that)."""
+    check_data_section(config.data)
+    try:
+        training_specs(config)
+        if config.validation.enable:
+            validation_spec(config)
+    except DataNotLocal:
+        if not config.job.dry_run:  # torchtitan's c4 without a local copy: fine for a dry run, which reads none
+            raise
+
+
+def check_layout(config, dp: int) -> None:
+    """The batch and the shards against the data-parallel degree."""
+    grad_accum_steps(config, dp)
+    if config.data.num_shards % dp:
+        raise ConfigError(f"data.num_shards ({config.data.num_shards}) must be divisible by the data-parallel "
+                          f"degree ({dp})")
+
+
+def check_paths(config) -> None:
+    """What the run will read exists (stat only): one line before any process starts, not a worker's failure."""
+    specs = training_specs(config)[0] + ([validation_spec(config)] if config.validation.enable else [])
+    for spec in specs:
+        path = os.path.expanduser(spec.path)
+        if spec.kind == "hf" or any(ch in path for ch in "*?["):
+            continue  # hub names and globs resolve when the loader lists them
+        if not os.path.exists(path):
+            raise ConfigError(f"{spec.key}: no such file or folder {spec.path!r}")

@@ -14,6 +14,9 @@ import argparse
 import json
 import sys
 
+from trainer.config import ConfigError, load_config, validate
+from trainer.data.sources import DataError
+
 
 def _build_tokenizer(config):
     from tokenizer import DEBUG_TOKENIZER_PATH, build_tokenizer
@@ -52,13 +55,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     """Entry point of ``trainer data``; returns the process exit code."""
-    from trainer.config import ConfigError, load_config
-    from trainer.data.sources import DataError
-
     parser = _parser()
     args, overrides = _split_overrides(parser, list(argv))
     try:
         config = load_config(overrides)
+        validate(config)
         tokenizer = _build_tokenizer(config)
         if args.command == "audit":
             return _audit(args, config, tokenizer)

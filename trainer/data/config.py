@@ -1,7 +1,7 @@
 """The [data] config section: sources, mixing, packing and loader workers.
 
 Every field has a one-line string under it: that string is the user documentation (``--help`` and
-docs/config.md are generated from it). See docs/data.md for the full picture.
+docs/config.md are generated from it). Its rules are in checks.py. See docs/data.md for the full picture.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from trainer.config import load_config, validate
+
 
 class ByteTokenizer:
     """Token = UTF-8 byte (ids 0-255); BOS 256, EOS 257, pad 258. With add_bos / add_eos it adds them on
@@ -54,8 +56,6 @@ def write_jsonl(path: str | Path, texts: Iterable[str]) -> Path:
 
 def make_config(**overrides):
     """A JobConfig from {"training.seq_len": 32, ...} (dots as in the command line), no environment."""
-    from trainer.config import load_config
-
     argv: list[str] = []
     for key, value in overrides.items():
         if isinstance(value, bool):
@@ -63,7 +63,9 @@ def make_config(**overrides):
         elif isinstance(value, (list, tuple)):
             value = json.dumps(list(value))
         argv += [f"--{key}", str(value)]
-    return load_config(argv, env={})
+    config = load_config(argv, env={})
+    validate(config)
+    return config
 
 
 def token_map(batches: Iterable[dict]) -> dict[int, dict[int, int]]:

@@ -21,7 +21,8 @@ from trainer.observability.sinks import _LastRecord, build_wandb_writer
 from trainer.observability.watchdog import WATCHDOG_FOLDER, Watchdog, stall_for_drill
 
 if TYPE_CHECKING:
-    from trainer.checkpoint import CheckpointManager, TrainState
+    from trainer.checkpoint.manager import CheckpointManager
+    from trainer.checkpoint.state import TrainState
     from trainer.config import JobConfig
     from trainer.metrics import MetricsWriter
 

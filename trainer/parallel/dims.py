@@ -6,12 +6,10 @@ from typing import TYPE_CHECKING
 
 from dataclasses import dataclass
 
-from trainer.errors import ConfigError
+from trainer.parallel.config import Parallelism, resolve_degrees
 
-if TYPE_CHECKING:  # torch is imported where it is used, so the launcher's pre-flight stays torch-free
+if TYPE_CHECKING:  # torch is imported where it is used: the layout is also described without a device
     from torch.distributed.device_mesh import DeviceMesh
-
-    from trainer.config.sections import Parallelism
 
 
 @dataclass
@@ -62,32 +60,3 @@ def device_type() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def resolve_degrees(cfg: "Parallelism", world_size: int) -> tuple[int, int, int, int]:
-    """(dp_replicate, dp_shard, tp, pp) with -1 resolved; raises ConfigError unless they multiply to
-    the world size."""
-    rep, shard, tp, pp = (cfg.data_parallel_replicate_degree, cfg.data_parallel_shard_degree,
-                          cfg.tensor_parallel_degree, cfg.pipeline_parallel_degree)
-    if rep == -1 and shard == -1:
-        raise ConfigError("only one of parallelism.data_parallel_replicate_degree and "
-                          "data_parallel_shard_degree may be -1")
-    if -1 in (rep, shard):
-        fixed = (shard if rep == -1 else rep) * tp * pp
-        if world_size % fixed:
-            raise ConfigError(
-                f"world size {world_size} is not divisible by the fixed degrees: data_parallel_"
-                f"{'shard' if rep == -1 else 'replicate'}_degree ({shard if rep == -1 else rep}) x "
-                f"tensor_parallel_degree ({tp}) x pipeline_parallel_degree ({pp}) = {fixed}"
-            )
-        if rep == -1:
-            rep = world_size // fixed
-        else:
-            shard = world_size // fixed
-    if rep * shard * tp * pp != world_size:
-        raise ConfigError(
-            f"parallel degrees must multiply to the world size {world_size}: "
-            f"data_parallel_replicate_degree ({rep}) x data_parallel_shard_degree ({shard}) x "
-            f"tensor_parallel_degree ({tp}) x pipeline_parallel_degree ({pp}) = {rep * shard * tp * pp}"
-        )
-    return rep, shard, tp, pp

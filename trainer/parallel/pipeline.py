@@ -4,7 +4,8 @@
 Each stage is a copy of the (meta) model with the modules it does not own removed, so parameter names
 stay the full model's names (``layers.5.attention.wq.weight`` is called that on every layout) and
 checkpoints load across pipeline degrees. Every stage then goes through the same ``parallelize`` step
-as a whole model (TP, activation checkpointing, compile, FSDP).
+as a whole model (TP, activation checkpointing, compile, FSDP). The split itself (``plan_stages``) and the
+schedule names are in config.py, with the rules that check them before launch.
 """
 
 from __future__ import annotations
@@ -12,10 +13,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import copy
-import difflib
-from dataclasses import dataclass
 
 from trainer.errors import ConfigError
+from trainer.parallel.config import LOOPED, SCHEDULES, SINGLE_STAGE, schedule_name
 
 if TYPE_CHECKING:  # torch is imported where it is used, so the launcher's pre-flight stays torch-free
     import torch
@@ -23,105 +23,6 @@ if TYPE_CHECKING:  # torch is imported where it is used, so the launcher's pre-f
     from torch.distributed.device_mesh import DeviceMesh
 
     from trainer.config import JobConfig
-
-# Schedules with one stage per rank; the others run several (virtual) stages per rank.
-SINGLE_STAGE = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B"}
-# Looped: rank r holds stages r, r + pp, r + 2 pp, ...
-LOOPED = {"Interleaved1F1B": "ScheduleInterleaved1F1B", "LoopedBFS": "ScheduleLoopedBFS",
-          "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble"}
-# V-shaped: rank r holds stages r and 2 pp - 1 - r, so the first and last stage share rank 0.
-V_SHAPED = {"ZBVZeroBubble": "ScheduleZBVZeroBubble", "DualPipeV": "ScheduleDualPipeV"}
-SCHEDULES = {**SINGLE_STAGE, **LOOPED, **V_SHAPED}
-
-
-def schedule_name(name: str) -> str:
-    """The canonical schedule name (case-insensitive match) or a ConfigError listing the valid ones."""
-    for valid in SCHEDULES:
-        if valid.lower() == name.lower():
-            return valid
-    close = difflib.get_close_matches(name, list(SCHEDULES), n=1)
-    raise ConfigError(f"parallelism.pipeline_parallel_schedule: unknown schedule {name!r}"
-                      + (f" (did you mean {close[0]!r}?)" if close else "") + f"; valid: {', '.join(SCHEDULES)}")
-
-
-@dataclass
-class StagePlan:
-    num_stages: int  # over all ranks (virtual stages included)
-    modules: list[list[str]]  # module names per stage, e.g. ["tok_embeddings", "layers.0", ...]
-
-    def stages_of_rank(self, pp_rank: int, pp: int, schedule: str) -> list[int]:
-        per_rank = self.num_stages // pp
-        if schedule in V_SHAPED:
-            return [pp_rank, self.num_stages - 1 - pp_rank]
-        return [pp_rank + k * pp for k in range(per_rank)]
-
-
-def plan_stages(config: JobConfig, n_layers: int) -> StagePlan:
-    """Decide how many (virtual) stages there are and which modules each holds."""
-    p = config.parallelism
-    pp = p.pipeline_parallel_degree
-    schedule = schedule_name(p.pipeline_parallel_schedule)
-    if p.module_fqns_per_model_part:
-        modules = [list(m) for m in p.module_fqns_per_model_part]
-        _check_explicit(modules, n_layers)
-        num_stages = len(modules)
-    else:
-        if p.pipeline_parallel_layers_per_stage is not None:
-            per = p.pipeline_parallel_layers_per_stage
-            if per < 1 or n_layers % per:
-                raise ConfigError(f"parallelism.pipeline_parallel_layers_per_stage ({per}) must divide the model's "
-                                  f"{n_layers} layers")
-            num_stages = n_layers // per
-        else:
-            num_stages = pp * (1 if schedule in SINGLE_STAGE else 2)
-        if num_stages > n_layers:
-            raise ConfigError(f"{num_stages} pipeline stages for {n_layers} layers: every stage needs a layer")
-        modules = _even_split(n_layers, num_stages)
-    if num_stages % pp:
-        raise ConfigError(f"{num_stages} pipeline stages do not divide over pipeline_parallel_degree {pp}")
-    per_rank = num_stages // pp
-    if schedule in SINGLE_STAGE and per_rank != 1:
-        raise ConfigError(f"schedule {schedule} runs one stage per rank, but the split gives {per_rank}; "
-                          f"use an interleaved or V schedule ({', '.join([*LOOPED, *V_SHAPED])}) or fewer stages")
-    if schedule in V_SHAPED and per_rank != 2:
-        raise ConfigError(f"schedule {schedule} runs exactly two stages per rank, but the split gives {per_rank}")
-    if schedule in LOOPED and per_rank < 2:
-        raise ConfigError(f"schedule {schedule} needs at least two stages per rank, but the split gives {per_rank}")
-    return StagePlan(num_stages=num_stages, modules=modules)
-
-
-def _even_split(n_layers: int, num_stages: int) -> list[list[str]]:
-    """Layers as even as possible; the remainder goes to the middle stages, since the first stage also
-    holds the embedding and the last one the output layer."""
-    base, extra = divmod(n_layers, num_stages)
-    counts = [base] * num_stages
-    order = sorted(range(num_stages), key=lambda i: (i in (0, num_stages - 1), abs(i - num_stages / 2)))
-    for i in order[:extra]:
-        counts[i] += 1
-    modules, start = [], 0
-    for i, count in enumerate(counts):
-        names = [f"layers.{j}" for j in range(start, start + count)]
-        start += count
-        if i == 0:
-            names.insert(0, "tok_embeddings")
-        if i == num_stages - 1:
-            names += ["norm", "output"]
-        modules.append(names)
-    return modules
-
-
-def _check_explicit(modules: list[list[str]], n_layers: int) -> None:
-    flat = [m for stage in modules for m in stage]
-    expected = ["tok_embeddings", *[f"layers.{i}" for i in range(n_layers)], "norm", "output"]
-    if sorted(flat) != sorted(expected) or len(flat) != len(set(flat)):
-        missing = sorted(set(expected) - set(flat))
-        unknown = sorted(set(flat) - set(expected))
-        raise ConfigError(
-            "parallelism.module_fqns_per_model_part must name every module exactly once, in order "
-            f"(missing: {missing or 'none'}, unknown: {unknown or 'none'})"
-        )
-    if flat != expected:
-        raise ConfigError("parallelism.module_fqns_per_model_part must list the modules in model order")
 
 
 def build_stage_model(template: nn.Module, names: list[str]) -> nn.Module:

@@ -17,6 +17,8 @@ import torch
 
 from trainer.checkpoint.layout import DEFAULT_FOLDER, RUN_CONFIG, step_dirname
 from trainer.checkpoint.offline import CheckpointNotFound, checkpoint_model_entries, find_checkpoint, find_run_config
+from trainer.config import load_config, validate
+from trainer.models.config import config_model_args
 from trainer.parallel import clean_fqn
 
 # The keys of a run's config.toml the tools need. Only these are read, so that a config.toml written by an
@@ -59,8 +61,6 @@ def save_native_checkpoint(state_dict: dict[str, torch.Tensor], dump_folder: str
 
 def load_run_config(config_path: Path | None, overrides: list[str]):
     """A JobConfig with the run's model/tokenizer keys (from its config.toml) and ``overrides`` applied."""
-    from trainer.config import load_config
-
     if sys.version_info >= (3, 11):
         import tomllib
     else:  # pragma: no cover
@@ -77,7 +77,9 @@ def load_run_config(config_path: Path | None, overrides: list[str]):
             value = (data.get(section) or {}).get(name)
             if value is not None:
                 argv += [f"--{key}={value}"]
-    return load_config(argv + overrides, env={})
+    config = load_config(argv + overrides, env={})
+    validate(config)
+    return config
 
 
 def _resolve_tokenizer_path(config, config_path: Path | None) -> str | None:
@@ -122,7 +124,6 @@ def describe_checkpoint(
     defaults to the bundled debug tokenizer, as in training). The vocabulary size is the checkpoint's.
     """
     from tokenizer import DEBUG_TOKENIZER_PATH, build_tokenizer
-    from trainer.models import config_model_args
 
     step_dir = find_checkpoint(checkpoint, step=step)
     cfg_path = Path(config_path) if config_path else find_run_config(step_dir)

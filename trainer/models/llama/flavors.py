@@ -15,6 +15,8 @@ precomputed RoPE table, so a trainer normally lowers it to its training sequence
 
 from __future__ import annotations
 
+import dataclasses
+
 from .args import LlamaModelArgs, RopeScaling
 
 _LLAMA31_SCALING = RopeScaling(
@@ -144,3 +146,31 @@ TORCHTITAN_FLAVORS: dict[str, dict[str, str]] = {
     "llama3": {"8B": "llama3_8b", "70B": "llama3_70b", "405B": "llama3_405b"},
     "llama2": {"7B": "llama2_7b", "13B": "llama2_13b", "70B": "llama2_70b"},
 }
+
+
+def get_llama_args(
+    flavor_or_args: str | LlamaModelArgs,
+    vocab_size: int | None = None,
+    max_seq_len: int | None = None,
+) -> LlamaModelArgs:
+    """A fresh copy of the flavor's (or the given) args with optional overrides.
+
+    Raises ``ValueError`` naming the valid flavors for an unknown flavor name.
+    """
+    if isinstance(flavor_or_args, str):
+        if flavor_or_args not in LLAMA_FLAVORS:
+            raise ValueError(
+                f"unknown llama flavor {flavor_or_args!r}; valid flavors: "
+                + ", ".join(sorted(LLAMA_FLAVORS))
+            )
+        args = LLAMA_FLAVORS[flavor_or_args]
+    elif isinstance(flavor_or_args, LlamaModelArgs):
+        args = flavor_or_args
+    else:
+        raise TypeError(f"expected a flavor name or LlamaModelArgs, got {type(flavor_or_args)!r}")
+    overrides = {}
+    if vocab_size is not None:
+        overrides["vocab_size"] = vocab_size
+    if max_seq_len is not None:
+        overrides["max_seq_len"] = max_seq_len
+    return dataclasses.replace(args, **overrides)

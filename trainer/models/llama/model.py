@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .args import LlamaModelArgs, RopeScaling
+from .flavors import get_llama_args
 
 __all__ = [
     "RMSNorm",
@@ -439,3 +440,14 @@ class Transformer(nn.Module):
         if self.output is not None:
             h = self.output(h)
         return h
+
+
+def build_llama(
+    flavor_or_args: str | LlamaModelArgs,
+    vocab_size: int | None = None,
+    max_seq_len: int | None = None,
+) -> Transformer:
+    """Build a ``Transformer`` on the current default device (use ``torch.device("meta")`` as
+    a context manager for a deferred build). ``vocab_size``/``max_seq_len`` override the
+    flavor's values; ``vocab_size`` is required when the flavor leaves it at -1."""
+    return Transformer(get_llama_args(flavor_or_args, vocab_size, max_seq_len))

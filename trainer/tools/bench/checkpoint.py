@@ -53,7 +53,7 @@ class _Run:
 
     def repeat(self, s: dict[str, list[float]]) -> None:
         """One repeat: steps, a synchronous save, a step, an asynchronous save drained by steps, a load."""
-        from trainer.checkpoint import MARKER, tree_size
+        from trainer.checkpoint.layout import MARKER, tree_size
 
         ckpt = self.ckpt
         s["normal_step"] += self.train(2)

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from trainer.config import load_config, validate
 from trainer.parallel import clean_fqn
 
 logger = logging.getLogger("trainer")
@@ -87,11 +88,11 @@ def _quiet():
 
 def load_bench_config(args, overrides: list[str], extra: list[str], dump: str):
     """The benchmark's config: the file, then the suite's settings, then the user's overrides."""
-    from trainer.config import load_config
-
     base = ["--job.config_file", str(args.config), "--job.dump_folder", dump,
             "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "false"]
-    return load_config(base + extra + list(overrides), env={})
+    config = load_config(base + extra + list(overrides), env={})
+    validate(config)
+    return config
 
 
 def build_trainer(config):
@@ -143,7 +144,7 @@ def observed(trainer):
     """``Trainer.train``'s observability session (profiler, memory snapshots, watchdog) around a block of
     benchmark steps, when this version of the trainer has one."""
     try:
-        from trainer.observability import Observability
+        from trainer.observability.session import Observability
     except ImportError:
         yield None
         return
@@ -171,7 +172,7 @@ class BareLoop:
     def __init__(self, config, model_args, state: dict[str, torch.Tensor], lr_factors: list[float],
                  device: torch.device, dtype: torch.dtype, accum: int, batches: list[dict[str, torch.Tensor]]):
         """``state``: the initial weights (plain FQNs); ``lr_factors[i]``: the schedule's factor of step i+1."""
-        from trainer.models.llama import Transformer
+        from trainer.models.llama.model import Transformer
 
         self.device = device
         self.accum = accum

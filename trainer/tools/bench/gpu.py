@@ -169,7 +169,7 @@ def _gpu_cell(args, overrides, workdir, flavor: str, variant: str, seq_len: int,
 def _check_flavors(flavors: list[str]) -> None:
     """Stop before any case runs if a flavor is unknown. The trainer resolves each name itself (including
     ``<flavor>_<N>l``, e.g. llama3_8b_4l: 8B-shaped layers, 4 of them), so nothing is registered here."""
-    from trainer.models import get_model_args
+    from trainer.models.config import get_model_args
 
     for flavor in flavors:
         try:

@@ -41,7 +41,7 @@ def _median_time(fn, repeats: int) -> float:
 
 def _debug_state() -> dict:
     """The debug model's weights plus AdamW's two moments per parameter (a full checkpoint's tensors)."""
-    from trainer.models.llama import build_llama
+    from trainer.models.llama.model import build_llama
 
     with torch.device("meta"):
         model = build_llama("debugmodel", vocab_size=2048)  # the bundled debug tokenizer's size

@@ -86,8 +86,8 @@ def model_case(repeats: int, rounds: int, batch: int = 8, seq: int = 256) -> dic
     """The whole debug model, forward + backward of the loss, with each RoPE form (eager, float32)."""
     import torch.nn.functional as F
 
-    from trainer.models import get_model_args
-    from trainer.models.llama import Transformer
+    from trainer.models.config import get_model_args
+    from trainer.models.llama.model import Transformer
     from trainer.models.llama import model as llama
 
     args = get_model_args("llama", "debugmodel")

@@ -35,7 +35,7 @@ def overhead_in_process(args, overrides: list[str], workdir: str) -> dict[str, A
     config.training.steps = 10 * total + 10  # the schedule's horizon; never reached
 
     trainer = build_trainer(config)
-    from trainer.data import build_train_loader
+    from trainer.data.loader import build_train_loader
 
     # The bare loop's data: the very batches the trainer's loader yields, drawn into memory up front.
     loader = build_train_loader(config, trainer.tokenizer, dp_rank=0, dp_world_size=1)

@@ -91,7 +91,7 @@ def worker(spec: dict) -> dict[str, Any]:
 
 def _prepare(args, overrides: list[str], extra: list[str], workdir: str, horizon: int, n_batches: int) -> str:
     """Batches (as the trainer's loader yields them), initial weights and learning rates, in one file."""
-    from trainer.data import build_train_loader
+    from trainer.data.loader import build_train_loader
 
     config = load_bench_config(args, overrides, extra, f"{workdir}/processes_prepare")
     config.training.steps = horizon

@@ -24,8 +24,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trainer.config import ConfigError, JobConfig, load_config
-from trainer.parallel.dims import resolve_degrees
+from trainer.config import ConfigError, JobConfig, load_config, validate
+from trainer.models.config import resolve_model_args
+from trainer.parallel.config import resolve_degrees
 from trainer.tools.plan.memory import (
     AC_MODES,
     GPU_MEMORY_GIB,
@@ -63,7 +64,6 @@ def ac_name(config: JobConfig) -> str:
 def model_args_for_plan(config: JobConfig):
     """The model args the trainer would build, and a note when the tokenizer is not on this machine (then
     the vocabulary comes from the flavor or model.vocab_size, unchecked against the tokenizer)."""
-    from trainer.models import resolve_model_args
     from trainer.data.tokenizer import load_tokenizer
 
     tokenizer_vocab = None
@@ -82,7 +82,8 @@ def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | No
     """Everything ``trainer plan`` reports, as a JSON-able dict."""
     import torch
 
-    from trainer.models.llama import Transformer, count_params, flops_per_token, model_num_params
+    from trainer.models.llama.flops import count_params, flops_per_token, model_num_params
+    from trainer.models.llama.model import Transformer
 
     args, note = model_args_for_plan(config)
     seq_len = config.training.seq_len
@@ -257,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg_argv = (["--job.config_file", args.config] if args.config else []) + overrides
     try:
         config = load_config(cfg_argv, env={} if args.config else None)
+        validate(config)  # the rules without a world size; plan() resolves the degrees for --ngpu
         measured = load_measured(args.measured) if args.measured else None
         result = plan(config, args.ngpu, args.gpu, args.gpu_memory_gib, args.usable_fraction,
                       args.max_local_batch, args.top, measured)

@@ -30,7 +30,8 @@ from trainer.errors import ConfigError
 from trainer.parallel import clean_fqn
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.parallelize import DTYPES
-from trainer.parallel.pipeline import SINGLE_STAGE, StagePlan, n_microbatches, plan_stages, schedule_name
+from trainer.parallel.config import SINGLE_STAGE, StagePlan, plan_stages, schedule_name
+from trainer.parallel.pipeline import n_microbatches
 from trainer import setup
 
 SIM_DEVICE = "cpu"  # the fake tensors' device; nothing is allocated on it
@@ -192,8 +193,8 @@ class RankView:
 
 def build_rank_view(config: JobConfig, args, layout: Layout, rank: int, mode) -> RankView:
     """Mesh, stage split, parallelize, fake materialisation and optimizer for the process's rank."""
-    from trainer.models.llama import Transformer
-    from trainer.optim import build_optimizer
+    from trainer.models.llama.model import Transformer
+    from trainer.optim.optimizer import build_optimizer
 
     dims = dataclasses.replace(layout.dims)
     mesh = dims.build_mesh(SIM_DEVICE)

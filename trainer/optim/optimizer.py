@@ -10,7 +10,7 @@ import math
 import torch
 
 if TYPE_CHECKING:
-    from trainer.config.sections import LRScheduler, Optimizer
+    from trainer.optim.config import LRScheduler, Optimizer
 
 logger = logging.getLogger("trainer")
 

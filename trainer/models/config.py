@@ -1,0 +1,249 @@
+"""The [model] config section, its rules, and where a run's configuration becomes model arguments.
+
+:func:`resolve_model_args` is the one place a run's configuration becomes model arguments: training, dry
+runs, ``trainer plan`` and ``trainer bench`` all call it. :func:`config_model_args` is the part the
+launcher's pre-flight checks (no tokenizer, no torch), :func:`get_model_args` the flavor lookup under both
+(also used by the offline tools, which size the model from a checkpoint instead of the config). Only the
+Llama family exists for now. The string under each field is its documentation (``--help``, docs/config.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+from trainer.errors import ConfigError
+from trainer.models.llama.args import LlamaModelArgs, RopeScaling
+from trainer.models.llama.flavors import LLAMA_FLAVORS, TORCHTITAN_FLAVORS, get_llama_args
+
+
+@dataclass
+class Model:
+    name: Literal["llama2", "llama3"] = "llama3"
+    """Model family. Both use the same Llama architecture; the family picks the flavor table."""
+    flavor: str = "debugmodel"
+    """Model size, a key of the flavor table: debugmodel, llama2_7b, llama2_13b, llama2_70b, llama3_1b,
+    llama3_3b, llama3_8b, llama3_70b, llama3_405b; or custom: no base, the shape comes from model.dim,
+    n_layers and n_heads (required) and the keys below (what `trainer import` writes)."""
+    hf_assets_path: str = ""
+    """A Hugging Face assets folder, as torchtitan uses it: tokenizer.json with tokenizer_config.json (BOS,
+    EOS and other special tokens it declares are honoured), optionally config.json and safetensors weights
+    (loaded when checkpoint.initial_load_in_hf is set without initial_load_path). Empty: the bundled debug
+    tokenizer (torchtitan's default is its test folder ./tests/assets/tokenizer)."""
+    tokenizer_path: str = ""
+    """tokenizer.json (HF tokenizers) or a folder holding one, sentencepiece tokenizer.model (Llama 2) or
+    tiktoken file (Llama 3); wins over hf_assets_path for the tokenizer. Empty: hf_assets_path, else the
+    bundled debug BPE tokenizer."""
+    vocab_size: int = -1
+    """Embedding rows. -1: the flavor's published vocabulary, or for flavors without one (debugmodel) the
+    tokenizer's vocabulary rounded up to a multiple of 64 (faster matmuls)."""
+    # Shape overrides (docs/export_eval.md, "Custom shapes"): -1 / unset keeps the flavor's value.
+    dim: int = -1
+    """Hidden size (Hugging Face hidden_size). -1: the flavor's. Must be a multiple of n_heads."""
+    n_layers: int = -1
+    """Transformer blocks (num_hidden_layers). -1: the flavor's."""
+    n_heads: int = -1
+    """Attention (query) heads (num_attention_heads). -1: the flavor's. dim / n_heads (the head size) must
+    be even; tensor_parallel_degree must divide it."""
+    n_kv_heads: int = -1
+    """Key/value heads (num_key_value_heads; fewer than n_heads: grouped-query attention). -1: the
+    flavor's, or n_heads when n_heads is set. Must divide n_heads; tensor_parallel_degree must divide it."""
+    ffn_dim: int = -1
+    """SwiGLU hidden size (intermediate_size), given outright. -1: from multiple_of and
+    ffn_dim_multiplier (Meta's rule: int(8 dim / 3), times the multiplier, rounded up to multiple_of)."""
+    multiple_of: int = -1
+    """SwiGLU hidden size rounding (Meta's rule, when ffn_dim is -1). -1: the flavor's."""
+    ffn_dim_multiplier: float | None = None
+    """SwiGLU hidden size multiplier (Meta's rule, when ffn_dim is -1). Unset: the flavor's."""
+    rope_theta: float | None = None
+    """RoPE base frequency. Unset: the flavor's."""
+    rope_scaling_factor: float | None = None
+    """Llama 3.1 RoPE scaling (Hugging Face rope_type "llama3"): the factor; 0 turns scaling off. Unset: the
+    flavor's scaling."""
+    rope_scaling_low_freq_factor: float | None = None
+    """Llama 3.1 RoPE scaling's low_freq_factor. Unset: the flavor's, else 1."""
+    rope_scaling_high_freq_factor: float | None = None
+    """Llama 3.1 RoPE scaling's high_freq_factor. Unset: the flavor's, else 4."""
+    rope_scaling_original_max_position_embeddings: int = -1
+    """Llama 3.1 RoPE scaling's original context length. -1: the flavor's, else 8192."""
+    norm_eps: float | None = None
+    """RMSNorm epsilon (rms_norm_eps). Unset: the flavor's."""
+    tie_word_embeddings: bool | None = None
+    """Output layer shares the embedding matrix. Unset: the flavor's. Trained tied on one process, under
+    FSDP and tensor parallel; refused with pipeline parallel (the two ends live on different stages)."""
+    max_seq_len: int = -1
+    """Context length the model is meant for (exported as max_position_embeddings). -1: the flavor's. The
+    RoPE table itself is built for training.seq_len."""
+    converters: list[str] = field(default_factory=list)
+    """Model transformations applied before parallelization, e.g. ["quantize.linear.float8"]."""
+    print_after_conversion: bool = False
+    """Log the model structure after converters and parallelization."""
+
+
+SECTION_DOC = {"model": "Architecture, size and tokenizer."}
+
+# Model names accepted by get_model_args; all map to the one Llama implementation.
+MODEL_NAMES = ("llama", "llama2", "llama3")
+
+# The flavor with no base shape: model.dim, n_layers and n_heads must be given ([model] shape keys).
+CUSTOM_FLAVOR = "custom"
+
+# [model] keys that override a flavor's field of the same name (-1 / None: keep the flavor's).
+SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "multiple_of", "ffn_dim_multiplier",
+              "rope_theta", "norm_eps", "tie_word_embeddings", "max_seq_len")
+
+# "<flavor>_<N>l": the flavor's shapes with N layers (e.g. llama3_8b_4l), for benchmarks and tests of a big
+# model's layers on a small machine.
+_FEWER_LAYERS = re.compile(r"^(?P<base>.+)_(?P<layers>\d+)l$")
+
+
+def _flavor_key(name: str, flavor: str) -> str | None:
+    """The key of ``LLAMA_FLAVORS`` that ``flavor`` names for model ``name`` (ours, or torchtitan's such
+    as "8B"), or None."""
+    flavor = TORCHTITAN_FLAVORS.get(name, {}).get(flavor, flavor)
+    if flavor in LLAMA_FLAVORS:
+        return flavor
+    if name != "llama" and f"{name}_{flavor}" in LLAMA_FLAVORS:
+        return f"{name}_{flavor}"
+    return None
+
+
+def get_model_args(name: str, flavor: str) -> LlamaModelArgs:
+    """Args (a fresh copy; the flavor table is never changed) for model ``name`` and ``flavor``.
+
+    ``flavor`` is a key of ``LLAMA_FLAVORS`` (e.g. ``"llama3_8b"``, ``"debugmodel"``); for
+    ``name`` ``"llama2"``/``"llama3"`` the prefix may be omitted (``"8b"``). ``"<flavor>_<N>l"`` is the
+    flavor with ``N`` layers. Raises ``ValueError`` naming the valid names/flavors otherwise.
+    """
+    if name not in MODEL_NAMES:
+        raise ValueError(f"unknown model {name!r}; valid models: {', '.join(MODEL_NAMES)}")
+    if flavor == CUSTOM_FLAVOR:
+        return LlamaModelArgs(vocab_size=-1)
+    key = _flavor_key(name, flavor)
+    if key is not None:
+        return get_llama_args(key)
+    fewer = _FEWER_LAYERS.match(flavor)
+    base = _flavor_key(name, fewer["base"]) if fewer else None
+    if base is None:
+        raise ValueError(
+            f"unknown flavor {flavor!r} for model {name!r}; valid flavors: "
+            + ", ".join(sorted(LLAMA_FLAVORS)) + f", {CUSTOM_FLAVOR} (or <flavor>_<N>l: the flavor with N layers)"
+            + (f"; torchtitan's: {', '.join(TORCHTITAN_FLAVORS[name])}" if name in TORCHTITAN_FLAVORS else "")
+        )
+    return dataclasses.replace(get_llama_args(base), n_layers=int(fewer["layers"]))
+
+
+def _is_set(value) -> bool:
+    return value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value == -1)
+
+
+def config_model_args(config) -> LlamaModelArgs:
+    """The architecture a run's ``config`` describes: its flavor with the [model] shape keys applied
+    (vocabulary and RoPE table length not resolved; see :func:`resolve_model_args`). Raises
+    ``ConfigError`` naming the key to fix."""
+    m = config.model
+    try:
+        base = get_model_args(m.name, m.flavor)
+    except ValueError as e:
+        raise ConfigError(f"model.flavor: {e}") from None
+    if m.flavor == CUSTOM_FLAVOR:
+        unset = [f"model.{k}" for k in ("dim", "n_layers", "n_heads") if not _is_set(getattr(m, k))]
+        if unset:
+            raise ConfigError(f"model.flavor = \"{CUSTOM_FLAVOR}\" needs {', '.join(unset)} (or choose a named flavor)")
+    overrides = {k: getattr(m, k) for k in SHAPE_KEYS if _is_set(getattr(m, k))}
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "multiple_of", "max_seq_len"):
+        if key in overrides and overrides[key] <= 0:
+            raise ConfigError(f"model.{key} must be positive (or -1: the flavor's), got {overrides[key]}")
+    for key in ("ffn_dim_multiplier", "rope_theta", "norm_eps"):
+        if key in overrides and overrides[key] <= 0:
+            raise ConfigError(f"model.{key} must be > 0 (or unset: the flavor's), got {overrides[key]}")
+    if "n_heads" in overrides and "n_kv_heads" not in overrides:
+        overrides["n_kv_heads"] = None  # as documented: n_heads alone means multi-head attention
+    if "ffn_dim" not in overrides and ("multiple_of" in overrides or "ffn_dim_multiplier" in overrides):
+        overrides["ffn_dim"] = None  # the rule asked for replaces a flavor's explicit size
+    overrides["rope_scaling"] = _rope_scaling(m, base.rope_scaling)
+    try:
+        return dataclasses.replace(base, **overrides)
+    except ValueError as e:
+        raise ConfigError(f"[model] shape: {e} (model.dim, n_heads, n_kv_heads)") from None
+
+
+def _rope_scaling(m, base: RopeScaling | None) -> RopeScaling | None:
+    """The flavor's Llama 3.1 RoPE scaling with the model.rope_scaling_* keys applied."""
+    factor = m.rope_scaling_factor
+    keys = {"rope_scaling_low_freq_factor": ("low_freq_factor", m.rope_scaling_low_freq_factor),
+            "rope_scaling_high_freq_factor": ("high_freq_factor", m.rope_scaling_high_freq_factor),
+            "rope_scaling_original_max_position_embeddings":
+                ("original_max_position_embeddings", m.rope_scaling_original_max_position_embeddings)}
+    given = {field: value for field, value in keys.values() if _is_set(value)}
+    if factor == 0 or (factor is None and base is None):
+        if given:
+            raise ConfigError(f"model.{next(k for k, (f, _) in keys.items() if f in given)} is set but the "
+                              "model has no RoPE scaling: set model.rope_scaling_factor too")
+        return None
+    if factor is not None and factor < 0:
+        raise ConfigError(f"model.rope_scaling_factor must be >= 0 (0: no scaling), got {factor}")
+    start = base if base is not None else RopeScaling()
+    if factor is not None:
+        given["factor"] = factor
+    try:
+        return dataclasses.replace(start, **given)
+    except ValueError as e:
+        raise ConfigError(f"model.rope_scaling_*: {e}") from None
+
+
+def model_config_keys(args: LlamaModelArgs) -> dict:
+    """The [model] keys (flavor custom) that describe ``args`` exactly: what ``trainer import`` prints."""
+    keys = {"flavor": CUSTOM_FLAVOR, "vocab_size": args.vocab_size, "dim": args.dim, "n_layers": args.n_layers,
+            "n_heads": args.n_heads, "n_kv_heads": args.num_kv_heads, "ffn_dim": args.ffn_hidden_dim,
+            "rope_theta": float(args.rope_theta), "norm_eps": float(args.norm_eps),
+            "tie_word_embeddings": bool(args.tie_word_embeddings), "max_seq_len": args.max_seq_len}
+    s = args.rope_scaling
+    keys["rope_scaling_factor"] = 0.0 if s is None else float(s.factor)
+    if s is not None:
+        keys.update(rope_scaling_low_freq_factor=float(s.low_freq_factor),
+                    rope_scaling_high_freq_factor=float(s.high_freq_factor),
+                    rope_scaling_original_max_position_embeddings=int(s.original_max_position_embeddings))
+    return keys
+
+
+def resolve_model_args(config, tokenizer_vocab: int | None) -> LlamaModelArgs:
+    """The model a run's ``config`` (a JobConfig) trains: its flavor with the [model] shape keys applied
+    (:func:`config_model_args`), RoPE table at ``training.seq_len``, embedding sized for the tokenizer.
+
+    Rows: model.vocab_size if set, else the flavor's published vocabulary, else the tokenizer's
+    vocabulary rounded up to a multiple of 64 (faster matmuls). ``tokenizer_vocab`` None skips the check
+    that the tokenizer fits (dry runs and plans of presets whose tokenizer file is not on this machine).
+    Raises ``ConfigError`` naming the key to fix.
+    """
+    flavor_args = config_model_args(config)
+    if config.model.vocab_size > 0:
+        vocab, source = config.model.vocab_size, "model.vocab_size"
+    elif flavor_args.vocab_size > 0:
+        vocab, source = flavor_args.vocab_size, f"flavor {config.model.flavor}"
+    elif tokenizer_vocab is not None:
+        vocab, source = -(-tokenizer_vocab // 64) * 64, "tokenizer"
+    else:
+        raise ConfigError(f"model.flavor {config.model.flavor} takes its vocabulary size from the tokenizer; "
+                          "set model.tokenizer_path or model.vocab_size")
+    if tokenizer_vocab is not None and vocab < tokenizer_vocab:
+        raise ConfigError(f"{source} gives {vocab} embedding rows but the tokenizer has {tokenizer_vocab} ids; "
+                          "use a matching tokenizer (model.tokenizer_path) or raise model.vocab_size")
+    return dataclasses.replace(flavor_args, vocab_size=vocab, max_seq_len=config.training.seq_len)
+
+
+def check_config(config) -> None:
+    """The flavor and the [model] shape keys describe a valid architecture."""
+    config_model_args(config)
+
+
+def check_paths(config) -> None:
+    """The tokenizer the run will read exists (stat only)."""
+    m = config.model
+    if m.tokenizer_path and not os.path.exists(os.path.expanduser(m.tokenizer_path)):
+        key = "model.hf_assets_path" if m.tokenizer_path == m.hf_assets_path else "model.tokenizer_path"
+        raise ConfigError(f"{key}: no such file or folder {m.tokenizer_path!r} (a folder with tokenizer.json, "
+                          "or a tokenizer file)")
