@@ -142,6 +142,52 @@ def test_no_private_name_imported_across_packages():
     assert not offenders, offenders
 
 
+def defined_names(path: Path) -> set[str]:
+    """Names a module binds at its top level (functions, classes, assignments, imports)."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        nodes = [node]
+        if isinstance(node, (ast.If, ast.Try)):  # e.g. a version-dependent import
+            nodes = [n for n in ast.walk(node) if isinstance(n, ast.stmt)]
+        for n in nodes:
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(n.name)
+            elif isinstance(n, (ast.Import, ast.ImportFrom)):
+                names |= {(a.asname or a.name).split(".")[0] for a in n.names}
+            elif isinstance(n, (ast.Assign, ast.AnnAssign)):
+                targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+                names |= {t.id for target in targets for t in ast.walk(target) if isinstance(t, ast.Name)}
+    return names
+
+
+def unresolved_imports(mods: dict[str, Path], packages: tuple[str, ...] = PACKAGES) -> list[str]:
+    """Imports of our own modules (at module level, deferred inside functions or type-only) that name a
+    module or a member that does not exist: found here, not when that line first runs."""
+    missing = []
+    for name, path in mods.items():
+        for module, member in imported(name, path):
+            if module.split(".")[0] not in packages:
+                continue
+            if module not in mods:
+                missing.append(f"{name}: no module {module}")
+            elif member is not None and f"{module}.{member}" not in mods and member not in defined_names(mods[module]):
+                missing.append(f"{name}: {module} has no {member}")
+    return missing
+
+
+def test_unresolved_imports_are_found(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "__init__.py").write_text("X = 1\n")
+    (tmp_path / "a" / "m.py").write_text("def f():\n    from a import X, Y\n    import a.gone\n")
+    mods = {"a": tmp_path / "a" / "__init__.py", "a.m": tmp_path / "a" / "m.py"}
+    assert unresolved_imports(mods, packages=("a",)) == ["a.m: a has no Y", "a.m: no module a.gone"]
+
+
+def test_every_import_of_our_modules_resolves():
+    missing = unresolved_imports(modules())
+    assert not missing, missing
+
+
 def test_core_reaches_extensions_only_through_the_registry():
     offenders = []
     for name, path in modules().items():
