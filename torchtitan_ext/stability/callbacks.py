@@ -22,7 +22,7 @@ def build_stability_callbacks(config: ExtJobConfig) -> list[Callback]:
     s = config.stability
     return [
         FaultInjection(s.inject_bad_data_steps, s.inject_nonfinite_loss_steps),
-        LRRewarmup(s.lr_rewarmup_steps_after_load),
+        LRRewarmup(s.lr_rewarmup_steps_after_load, s.skip_steps),
         SkipRanges(s.skip_steps),
         EmbeddingGradShrink(AlphaSchedule(s.embedding_grad_alpha, s.embedding_grad_alpha_start,
                                           s.embedding_grad_alpha_steps), enabled=s.embedding_grad_shrink),

@@ -92,7 +92,8 @@ class LRSchedule:
                 shape = 0.5 * (1.0 + math.cos(math.pi * progress))
             f = cfg.min_lr_factor + (1 - cfg.min_lr_factor) * shape
         if self.rewarmup_from is not None and self.rewarmup_steps > 0:
-            f *= min(1.0, (step - self.rewarmup_from) / self.rewarmup_steps)
+            # 0 before the re-warm starts (skipped steps between the checkpoint and the first trained one)
+            f *= min(1.0, max(0.0, (step - self.rewarmup_from) / self.rewarmup_steps))
         return f
 
     def lr(self, step: int) -> float:
