@@ -97,8 +97,10 @@ REFUSED_CONVERTERS = {
     "quantize.linear.mx": _NO_MX,
     "quantize.grouped_mm.float8": _NO_MOE,
     "quantize.grouped_mm.mx": _NO_MOE,
-    "float8": "torchtitan's old name; write quantize.linear.float8",
 }
+# Converter names torchtitan's own files use for a converter this trainer has (its llama3_405b.toml says
+# "float8", which its parallelize code reads as float8 linear layers).
+CONVERTER_NAMES = {"float8": "quantize.linear.float8"}
 
 
 def _get(config, dotted: str) -> Any:
@@ -165,6 +167,8 @@ def resolve(config) -> None:
     c = config.checkpoint
     if c.initial_load_in_hf and not c.initial_load_path and m.hf_assets_path:
         c.initial_load_path = m.hf_assets_path
+    converters = [CONVERTER_NAMES.get(c, c) for c in m.converters]
+    m.converters = list(dict.fromkeys(converters))  # "float8" beside its full name is still one converter
     w = config.training.dataloader
     for name in ("num_workers", "pin_memory", "prefetch_factor"):
         if explicit(f"training.dataloader.{name}") and getattr(w, name) is not None:
