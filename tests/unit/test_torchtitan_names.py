@@ -19,3 +19,23 @@ def test_float8_beside_its_full_name_is_one_converter():
     config = load_config(["--model.converters", "float8,quantize.linear.float8"], env={})
     assert config.model.converters == ["quantize.linear.float8"]
     validate(config)
+
+
+def test_a_missing_hf_assets_folder_is_named(tmp_path, monkeypatch):
+    """torchtitan's debug TOML run from another folder: its ./tests/assets/tokenizer is not there. The one
+    line names that folder, not only the keys that could be set."""
+    from trainer.errors import ConfigError
+    from trainer.models.config import resolve_model_args
+    from trainer.train import main
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["--job.config_file", str(ASSETS / "debug_model.toml"), "--job.dry_run",
+            "--job.dump_folder", str(tmp_path / "out")]
+    config = load_config(argv, env={})
+    try:
+        resolve_model_args(config, None)
+    except ConfigError as e:
+        assert "model.hf_assets_path './tests/assets/tokenizer' does not exist" in str(e), e
+    else:
+        raise AssertionError("a missing tokenizer folder was accepted")
+    assert main(argv) == 2  # the dry run a user would type: one line, the config exit code

@@ -228,11 +228,20 @@ def resolve_model_args(config, tokenizer_vocab: int | None) -> LlamaModelArgs:
         vocab, source = -(-tokenizer_vocab // 64) * 64, "tokenizer"
     else:
         raise ConfigError(f"model.flavor {config.model.flavor} takes its vocabulary size from the tokenizer; "
-                          "set model.tokenizer_path or model.vocab_size")
+                          + _missing_tokenizer(config.model))
     if tokenizer_vocab is not None and vocab < tokenizer_vocab:
         raise ConfigError(f"{source} gives {vocab} embedding rows but the tokenizer has {tokenizer_vocab} ids; "
                           "use a matching tokenizer (model.tokenizer_path) or raise model.vocab_size")
     return dataclasses.replace(flavor_args, vocab_size=vocab, max_seq_len=config.training.seq_len)
+
+
+def _missing_tokenizer(m) -> str:
+    """What to fix when the tokenizer could not be read: the key and folder named when it does not exist."""
+    if m.tokenizer_path and not os.path.exists(os.path.expanduser(m.tokenizer_path)):
+        key = "model.hf_assets_path" if m.tokenizer_path == m.hf_assets_path else "model.tokenizer_path"
+        return (f"{key} {m.tokenizer_path!r} does not exist (from {os.getcwd()}): point it at the folder with "
+                "tokenizer.json, or set model.vocab_size")
+    return "set model.tokenizer_path or model.vocab_size"
 
 
 def check_config(config) -> None:
