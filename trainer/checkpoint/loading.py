@@ -305,6 +305,15 @@ class Loader:
 
     def _check_schedule(self, marker: dict, saved: dict | None) -> None:
         step = int(marker.get("step", 0))
+        old_len, new_len = marker.get("lr_schedule_steps"), self.components.schedule_steps()
+        if old_len is not None and new_len is not None and old_len != new_len:
+            # Extending a finished run (training.steps 10 -> 20) lengthens a decaying schedule: the steps
+            # after the checkpoint then differ from a run that was this long from the start.
+            logger.warning("the LR schedule was %d steps long in the saved run and is %d steps now (training.steps "
+                           "or lr_scheduler.total_steps changed): from step %d on the learning rate follows the "
+                           "%d-step schedule; set lr_scheduler.total_steps = %d to keep the saved one",
+                           old_len, new_len, step + 1, new_len, old_len)
+            return
         old_lr = (saved or {}).get("lr", marker.get("lr"))
         new_lr = self.components.lr_at(step)
         if old_lr and new_lr is not None and not math.isclose(old_lr, new_lr, rel_tol=1e-9, abs_tol=0.0):

@@ -185,7 +185,8 @@ class Saver:
             "format": FORMAT_VERSION, "step": step, "kind": kind,
             "dtype": str(dtype).replace("torch.", "") if dtype is not None else "as trained",
             "tokens_seen": c.train_state.tokens_seen, "skipped_steps": c.train_state.skipped_steps,
-            "lr": c.lr_at(step), "world_size": self.comm.world, "layout": c.layout,
+            "lr": c.lr_at(step), "lr_schedule_steps": c.schedule_steps(), "world_size": self.comm.world,
+            "layout": c.layout,
             "estimated_bytes": nbytes, "torch": torch.__version__,
         }
 

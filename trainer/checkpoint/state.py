@@ -243,6 +243,10 @@ class Components:
         sched = self.lr_schedule
         return float(sched.lr(step)) if sched is not None and step > 0 else None
 
+    def schedule_steps(self) -> int | None:
+        """The LR schedule's length in steps (lr_scheduler.total_steps, else training.steps), or None."""
+        return getattr(self.lr_schedule, "total_steps", None)
+
     def snapshot(self, step: int, rank: int, model_only: bool, dtype: torch.dtype | None) -> dict:
         """The DCP state dict a save of ``step`` writes (tensors shared with the live state, not copied)."""
         model = self.model_state()
