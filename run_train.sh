@@ -39,8 +39,16 @@ NODE_RANK=${NODE_RANK:-0}
 LOG_RANK=${LOG_RANK:-0}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
 
-if ! [ "$NNODES" -ge 1 ] 2>/dev/null || ! [ "$NODE_RANK" -ge 0 ] 2>/dev/null || [ "$NODE_RANK" -ge "$NNODES" ]; then
+if ! [[ "$NNODES" =~ ^[1-9][0-9]*$ ]]; then
+    echo "run_train.sh: NNODES=$NNODES must be a positive whole number (nodes in the job)" >&2
+    exit 2
+fi
+if ! [[ "$NODE_RANK" =~ ^[0-9]+$ ]] || [ "$NODE_RANK" -ge "$NNODES" ]; then
     echo "run_train.sh: NODE_RANK=$NODE_RANK must be in [0, NNODES=$NNODES)" >&2
+    exit 2
+fi
+if ! [[ "$LOG_RANK" =~ ^[0-9]+(,[0-9]+)*$ ]]; then
+    echo "run_train.sh: LOG_RANK=$LOG_RANK must be local ranks whose output to show, e.g. 0 or 0,1" >&2
     exit 2
 fi
 

@@ -143,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [""]  # unconditional: start from BOS
     if not 0 < args.top_p <= 1.0:
         parser.error("--top_p must be in (0, 1]")
+    for name, least in (("temperature", 0), ("top_k", 0), ("max_new_tokens", 0), ("num_samples", 1)):
+        if getattr(args, name) < least:
+            parser.error(f"--{name} must be >= {least}, got {getattr(args, name)}")
     try:
         loaded = load_model_from_args(args, dtype=args.dtype, device=args.device)
     except (CheckpointNotFound, FileNotFoundError, ValueError, KeyError) as e:

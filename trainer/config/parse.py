@@ -195,7 +195,7 @@ def _negated_flag(key: str, value: str | bool, known: dict) -> tuple[str, bool]:
     target = f"{section}.{name[3:]}"
     if name.startswith("no_") and target in known:
         cls, f = known[target]
-        if field_types(cls)[f.name] is bool:
+        if field_types(cls)[f.name] in (bool, bool | None):  # e.g. model.tie_word_embeddings (None: the flavor's)
             if value is not True:
                 raise ConfigError(f"--{key} takes no value (it sets {target} to false)")
             return target, False
@@ -240,12 +240,19 @@ def load_config(argv: list[str] | None = None, env: dict[str, str] | None = None
     config_file = cli.get("job.config_file") or env.get("CONFIG_FILE") or None
     if config_file:
         path = Path(str(config_file))
+        if path.is_dir():
+            tomls = sorted(p.name for p in path.glob("*.toml"))[:5]
+            inside = f" ({', '.join(tomls)})" if tomls else ""
+            raise ConfigError(f"job.config_file: '{path}' is a folder; name a TOML file, such as one in it{inside}")
         if not path.is_file():
             raise ConfigError(f"job.config_file: no such file '{path}'")
         try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
+            text = path.read_text(encoding="utf-8")
+            data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"job.config_file: '{path}' is not valid TOML: {e}") from None
+            hint = ("; it starts with a UTF-8 byte-order mark (some Windows editors add one): save it as UTF-8 "
+                    "without BOM" if text.startswith("\ufeff") else "")
+            raise ConfigError(f"job.config_file: '{path}' is not valid TOML: {e}{hint}") from None
         except UnicodeDecodeError as e:
             raise ConfigError(f"job.config_file: '{path}' is not UTF-8 text (TOML must be): byte {e.object[e.start]:#x} "
                               f"at offset {e.start}") from None

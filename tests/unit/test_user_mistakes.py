@@ -1,0 +1,46 @@
+"""Mistakes a user makes in the config and on the command line: one line naming the cause and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.config import load_config
+from trainer.errors import ConfigError
+
+
+def test_a_config_folder_instead_of_a_file_names_its_toml_files(tmp_path):
+    (tmp_path / "mine.toml").write_text("[training]\nsteps = 3\n")
+    with pytest.raises(ConfigError, match=r"is a folder; name a TOML file, such as one in it \(mine.toml\)"):
+        load_config(["--job.config_file", str(tmp_path)], env={})
+
+
+def test_a_toml_with_a_byte_order_mark_gets_the_hint(tmp_path):
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbf[training]\nsteps = 3\n")
+    with pytest.raises(ConfigError, match="byte-order mark.*save it as UTF-8 without BOM"):
+        load_config(["--job.config_file", str(path)], env={})
+    path.write_bytes(b"[training\nsteps = 3\n")  # other TOML mistakes get no such hint
+    with pytest.raises(ConfigError) as e:
+        load_config(["--job.config_file", str(path)], env={})
+    assert "byte-order" not in str(e.value)
+
+
+def test_no_prefix_sets_an_optional_boolean_to_false():
+    """README: ``--section.no_key`` sets a boolean to false; model.tie_word_embeddings is one whose unset
+    value (None) means the flavor's."""
+    assert load_config(["--model.no_tie_word_embeddings"], env={}).model.tie_word_embeddings is False
+    assert load_config(["--model.tie_word_embeddings"], env={}).model.tie_word_embeddings is True
+    assert load_config([], env={}).model.tie_word_embeddings is None
+    with pytest.raises(ConfigError, match="unknown config key 'model.no_dim'"):
+        load_config(["--model.no_dim"], env={})  # not a boolean
+
+
+@pytest.mark.parametrize("args, word", [(["--temperature", "-1"], "--temperature must be >= 0"),
+                                        (["--top_k", "-2"], "--top_k must be >= 0"),
+                                        (["--num_samples", "0"], "--num_samples must be >= 1")])
+def test_generate_refuses_impossible_sampling_settings(args, word, tmp_path, capsys):
+    from torchtitan_ext.generate import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--checkpoint", str(tmp_path), *args])  # refused before any checkpoint is read
+    assert e.value.code == 2 and word in capsys.readouterr().err
