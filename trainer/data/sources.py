@@ -21,6 +21,7 @@ import gzip
 import json
 import os
 import re
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -309,20 +310,24 @@ class _LineFileSource(Source):
         gz = self.gz[unit]
         if gz and hi >= self.sizes[unit]:
             hi = float("inf")
-        with (gzip.open if gz else open)(self.units[unit], "rb") as f:  # gzip seeks forward by decompressing
-            if start == lo and lo > 0:
-                f.seek(lo - 1)
-                f.readline()  # the rest of the line holding byte lo-1 belongs to the previous part
-            else:
-                f.seek(start)
-            pos = f.tell()
-            while pos < hi:
-                line = f.readline()
-                if not line:
-                    return
-                # Plain files: the payload is read again on use (blocks hold offsets only); gzip: kept.
-                yield pos, pos + len(line), (line if gz else None)
-                pos += len(line)
+        try:
+            with (gzip.open if gz else open)(self.units[unit], "rb") as f:  # gzip seeks forward by decompressing
+                if start == lo and lo > 0:
+                    f.seek(lo - 1)
+                    f.readline()  # the rest of the line holding byte lo-1 belongs to the previous part
+                else:
+                    f.seek(start)
+                pos = f.tell()
+                while pos < hi:
+                    line = f.readline()
+                    if not line:
+                        return
+                    # Plain files: the payload is read again on use (blocks hold offsets only); gzip: kept.
+                    yield pos, pos + len(line), (line if gz else None)
+                    pos += len(line)
+        except (EOFError, gzip.BadGzipFile, zlib.error) as e:  # a download cut short, a damaged archive
+            raise DataError(f"{self.units[unit]}: damaged or truncated gzip file ({e}); download or compress "
+                            "it again, or leave it out of the dataset path") from None
 
     def shard_is_empty(self, shard, num_shards):
         if any(self.gz):
@@ -561,15 +566,31 @@ class TokenSource(Source):
     def _unit(self, unit):
         arrays = self._arrays.get(unit)
         if arrays is None:
-            base = os.path.join(self.folder, self.units[unit])
-            tokens_path = base + ".tokens"
-            tokens = (np.memmap(tokens_path, dtype=self.dtype, mode="r") if os.path.getsize(tokens_path)
-                      else np.zeros(0, dtype=self.dtype))
+            arrays = self._arrays[unit] = self._read_unit(os.path.join(self.folder, self.units[unit]))
+        return arrays
+
+    def _read_unit(self, base: str) -> tuple:
+        """Memory maps of one unit's files, checked against each other: a file cut short (a copy or a
+        prepare that did not finish) is a data error naming it, never documents read past its end."""
+        tokens_path = base + ".tokens"
+        redo = f"run trainer data prepare again for {self.folder}"
+        size = os.path.getsize(tokens_path)
+        if size % self.dtype.itemsize:
+            raise DataError(f"{tokens_path}: {size} bytes is not a whole number of {self.dtype} tokens (the file "
+                            f"was cut short); {redo}")
+        tokens = np.memmap(tokens_path, dtype=self.dtype, mode="r") if size else np.zeros(0, dtype=self.dtype)
+        try:
             index = np.load(base + ".index.npy", mmap_mode="r")
             coords = np.load(base + ".coords.npy", mmap_mode="r")
             status = np.load(base + ".status.npy", mmap_mode="r")
-            arrays = self._arrays[unit] = (tokens, index, coords, status)
-        return arrays
+        except ValueError as e:  # numpy's words for a truncated .npy file
+            raise DataError(f"{base}.*.npy: unreadable ({e}); {redo}") from None
+        if len(index) and int(index[-1]) > len(tokens):
+            raise DataError(f"{tokens_path}: holds {len(tokens)} tokens but its index ends at {int(index[-1])} (the "
+                            f"file was cut short); {redo}")
+        if not (len(index) == len(status) + 1 == coords.shape[-1] + 1):
+            raise DataError(f"{base}: its index, coords and status files disagree on the number of documents; {redo}")
+        return tokens, index, coords, status
 
     def shard_is_empty(self, shard, num_shards):
         for unit in range(len(self.units)):
