@@ -44,3 +44,19 @@ def test_generate_refuses_impossible_sampling_settings(args, word, tmp_path, cap
     with pytest.raises(SystemExit) as e:
         main(["--checkpoint", str(tmp_path), *args])  # refused before any checkpoint is read
     assert e.value.code == 2 and word in capsys.readouterr().err
+
+
+def test_prepare_output_must_be_a_folder_for_tokens_only(tmp_path, capsys):
+    from trainer.data.cli import main
+
+    source = ["--training.dataset", "jsonl", "--training.dataset_path",
+              str(tmp_path.parent / "none.jsonl")]  # never read: the output is refused first
+    (tmp_path / "afile").write_text("x")
+    assert main(["prepare", "--output", str(tmp_path / "afile"), "--no-progress", *source]) == 2
+    assert "is a file; name a folder" in capsys.readouterr().err
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me")
+    assert main(["prepare", "--output", str(other), "--overwrite", "--no-progress", *source]) == 2
+    assert "holds other files" in capsys.readouterr().err
+    assert (other / "notes.txt").read_text() == "keep me"  # --overwrite never deletes a folder of other files

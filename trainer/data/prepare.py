@@ -100,8 +100,13 @@ def prepare(source: str | SourceSpec, output: str | os.PathLike, tokenizer, *, w
     if spec.kind == "tokens":
         raise ConfigError(f"{spec.label!r} is already pre-tokenized")
     out = Path(output).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--output {out} is a file; name a folder for the prepared tokens")
     if (out / TOKENS_META).exists() and not overwrite:
         raise ConfigError(f"{out} already holds a prepared dataset; pass --overwrite to replace it")
+    if out.is_dir() and not (out / TOKENS_META).exists() and any(out.iterdir()):
+        # --overwrite replaces a prepared dataset only: never a folder of other files.
+        raise ConfigError(f"--output {out} holds other files (no {TOKENS_META}); name a new or empty folder")
     opts = SourceOptions(text_field=text_field, text_document=text_document, seed=0, shuffle=False, shuffle_window=1)
     src = build_source(spec, 0, opts)
     dtype = "uint16" if tokenizer.vocab_size <= (1 << 16) else "uint32"
