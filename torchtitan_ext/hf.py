@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import shutil
 import sys
@@ -147,15 +148,24 @@ def _write_index(folder: Path, weight_map: dict[str, str], total_size: int) -> N
     (folder / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def save_safetensors_sharded(sd: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int) -> list[str]:
-    """``model-0000i-of-0000N.safetensors`` files plus ``model.safetensors.index.json``."""
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """One safetensors file, readable as the user's other files are (the umask's mode: safetensors alone
+    creates 0600 files, which colleagues on a shared cluster cannot read)."""
     from safetensors.torch import save_file
 
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+    umask = os.umask(0)  # reading the umask sets it: put it back at once (the export is single-threaded)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
+def save_safetensors_sharded(sd: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int) -> list[str]:
+    """``model-0000i-of-0000N.safetensors`` files plus ``model.safetensors.index.json``."""
     shards = plan_shards([(k, v.numel() * v.element_size()) for k, v in sd.items()], max_shard_bytes)
     weight_map, names = {}, []
     for i, keys in enumerate(shards, start=1):
         fname = _shard_name(i, len(shards))
-        save_file({k: sd[k].contiguous() for k in keys}, str(folder / fname), metadata={"format": "pt"})
+        write_safetensors({k: sd[k] for k in keys}, folder / fname)
         weight_map.update({k: fname for k in keys})
         names.append(fname)
     _write_index(folder, weight_map, sum(t.numel() * t.element_size() for t in sd.values()))
@@ -268,9 +278,11 @@ def export_checkpoint(
     overwrite: bool = False,
 ) -> Path:
     """Write a DCP checkpoint as a Hugging Face Llama folder; returns the folder."""
+    out = Path(output)
+    if out.exists() and not out.is_dir():  # before reading the checkpoint: a mistake costs no time
+        raise FileExistsError(f"--output {out} is a file; name a folder for the Hugging Face files")
     info = describe_checkpoint(checkpoint, config_path=config_path, flavor=flavor,
                                tokenizer_path=tokenizer_path, step=step)
-    out = Path(output)
     if out.exists() and any(out.iterdir()):
         if not overwrite:
             raise FileExistsError(f"output folder {out} is not empty; pass --overwrite to replace its contents")
@@ -292,7 +304,6 @@ def _export_streaming(info, out: Path, dtype: torch.dtype, max_shard_bytes: int)
     import warnings
 
     import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
 
     args = info.args
     entries = {clean_fqn(k[len("model."):]): (k, v) for k, v in checkpoint_model_entries(info.step_dir).items()}
@@ -321,7 +332,7 @@ def _export_streaming(info, out: Path, dtype: torch.dtype, max_shard_bytes: int)
         part = native_to_hf_state_dict({k: flat[entries[k][0]].to(dtype) for k in keys}, args.n_heads,
                                        args.num_kv_heads)
         fname = _shard_name(i, len(shards))
-        save_file({k: v.contiguous() for k, v in part.items()}, str(out / fname), metadata={"format": "pt"})
+        write_safetensors(part, out / fname)
         weight_map.update({k: fname for k in part})
         del flat, part
     _write_index(out, weight_map, sum(n for _, n in sizes))

@@ -60,3 +60,33 @@ def test_prepare_output_must_be_a_folder_for_tokens_only(tmp_path, capsys):
     assert main(["prepare", "--output", str(other), "--overwrite", "--no-progress", *source]) == 2
     assert "holds other files" in capsys.readouterr().err
     assert (other / "notes.txt").read_text() == "keep me"  # --overwrite never deletes a folder of other files
+
+
+def test_exported_safetensors_are_readable_as_the_umask_allows(tmp_path):
+    """safetensors alone writes 0600 files; an export is for colleagues on a shared cluster too."""
+    import os
+    import stat
+
+    import torch
+
+    from torchtitan_ext.hf import save_safetensors_sharded
+
+    for umask, mode in ((0o022, 0o644), (0o002, 0o664)):
+        old = os.umask(umask)
+        try:
+            folder = tmp_path / f"u{umask:o}"
+            folder.mkdir()
+            names = save_safetensors_sharded({"a": torch.zeros(64), "b": torch.ones(64)}, folder, 300)
+        finally:
+            os.umask(old)
+        assert len(names) == 2
+        assert {stat.S_IMODE((folder / n).stat().st_mode) for n in names} == {mode}
+
+
+def test_export_to_a_file_is_one_line(tmp_path, capsys):
+    from torchtitan_ext.hf import main as export_main
+
+    target = tmp_path / "model.bin"
+    target.write_text("someone's file")
+    assert export_main(["--checkpoint", str(tmp_path), "--output", str(target)]) == 2
+    assert "--output" in capsys.readouterr().err and target.read_text() == "someone's file"
