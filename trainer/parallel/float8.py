@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+import contextlib
 import logging
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -15,6 +15,25 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("trainer")
 
+# torchao's wheels carry compiled extensions this trainer never calls (MX formats, CUTLASS kernels); where one
+# cannot load (a CPU machine, another Python build) torchao warns on every import, as does torch about an Enum
+# torchao registers. Neither changes float8 training, which goes through torch's own scaled matmul.
+_IMPORT_NOISE = ("torchao", "torch.utils._pytree")
+
+
+@contextlib.contextmanager
+def quiet_torchao_import():
+    """Import torchao modules inside this without its harmless load-time warnings (see _IMPORT_NOISE)."""
+    loggers = [logging.getLogger(name) for name in _IMPORT_NOISE]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)
+
 
 def convert_to_float8(model: nn.Module, config: JobConfig) -> None:
     """Swap eligible Linear layers for torchao's Float8Linear (in place, on the meta model).
@@ -24,7 +43,8 @@ def convert_to_float8(model: nn.Module, config: JobConfig) -> None:
     """
     cfg = config.quantize.linear.float8
     try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        with quiet_torchao_import():
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError as e:
         raise ConfigError(f"model.converters has quantize.linear.float8 but torchao is not importable: {e}") from None
     if cfg.enable_fsdp_float8_all_gather:
@@ -63,7 +83,8 @@ def register_float8_scale_precompute(optimizer, model_parts: list[nn.Module], co
     cfg = config.quantize.linear.float8
     if "quantize.linear.float8" not in config.model.converters or not cfg.precompute_float8_dynamic_scale_for_fsdp:
         return False
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    with quiet_torchao_import():
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     def precompute(*_):
         for part in model_parts:
