@@ -90,3 +90,14 @@ def test_export_to_a_file_is_one_line(tmp_path, capsys):
     target.write_text("someone's file")
     assert export_main(["--checkpoint", str(tmp_path), "--output", str(target)]) == 2
     assert "--output" in capsys.readouterr().err and target.read_text() == "someone's file"
+
+
+def test_a_checkpoint_folder_that_is_a_file_is_refused_before_the_run(tmp_path):
+    from trainer.config import validate
+
+    (tmp_path / "checkpoint").write_text("not a folder")
+    argv = ["--job.dump_folder", str(tmp_path), "--checkpoint.enable"]
+    with pytest.raises(ConfigError, match="checkpoint.folder: .* is a file; name a folder"):
+        validate(load_config(argv, env={}), 1)
+    validate(load_config([*argv, "--checkpoint.folder", "ckpt"], env={}), 1)  # another name is fine
+    validate(load_config(argv[:2], env={}), 1)  # checkpoints off: nothing will be written there

@@ -6,6 +6,7 @@ The string under each field is its documentation (``--help`` and docs/config.md)
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -113,3 +114,17 @@ def check_config(config) -> None:
 def check_layout(config, world_size: int) -> None:
     if config.checkpoint.create_seed_checkpoint and world_size != 1:
         raise ConfigError(f"checkpoint.create_seed_checkpoint runs on one process (NGPU=1), not {world_size}")
+
+
+def check_paths(config) -> None:
+    """The checkpoint folder can be a folder (stat only): a file in its place would otherwise surface only at
+    the first save, possibly hours into the run."""
+    if not config.checkpoint.enable:
+        return
+    folder = os.path.join(os.path.expanduser(config.job.dump_folder), config.checkpoint.folder)
+    existing = folder
+    while existing and not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if existing and not os.path.isdir(existing):
+        where = "is a file" if existing == folder else f"is inside {existing!r}, which is a file"
+        raise ConfigError(f"checkpoint.folder: {folder!r} {where}; name a folder (relative to job.dump_folder)")

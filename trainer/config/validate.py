@@ -41,4 +41,5 @@ def validate(config, world_size: int | None = None, *, files: bool = True) -> No
             models.check_paths(config)
             data.check_paths(config)
             job.check_dump_folder(config)
+            checkpoint.check_paths(config)
     extensions.check_config(config, world_size)
