@@ -101,3 +101,27 @@ def test_a_checkpoint_folder_that_is_a_file_is_refused_before_the_run(tmp_path):
         validate(load_config(argv, env={}), 1)
     validate(load_config([*argv, "--checkpoint.folder", "ckpt"], env={}), 1)  # another name is fine
     validate(load_config(argv[:2], env={}), 1)  # checkpoints off: nothing will be written there
+
+
+def test_command_line_sources_replace_a_preset_dataset_and_say_so(tmp_path, caplog):
+    """The presets set training.dataset; --data.sources on the command line wins, as the command line does
+    for any key, and the log names what it replaced. Both in one place is still refused."""
+    import logging
+
+    from trainer.config import validate
+
+    data = tmp_path / "a.jsonl"
+    data.write_text('{"text": "hello there"}\n' * 50)
+    preset = tmp_path / "preset.toml"
+    preset.write_text('[training]\ndataset = "shakespeare"\n')
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        config = load_config(["--job.config_file", str(preset), "--data.sources", f"jsonl:{data}",
+                              "--data.num_shards", "1"], env={})
+    validate(config)
+    assert f'replaces training.dataset = "shakespeare" of {preset}' in caplog.text
+    with pytest.raises(ConfigError, match="set either data.sources or training.dataset, not both"):
+        validate(load_config(["--training.dataset", "shakespeare", "--data.sources", f"jsonl:{data}"], env={}))
+    both = tmp_path / "both.toml"
+    both.write_text(f'[training]\ndataset = "shakespeare"\n[data]\nsources = ["jsonl:{data}"]\n')
+    with pytest.raises(ConfigError, match="not both"):
+        validate(load_config(["--job.config_file", str(both)], env={}))

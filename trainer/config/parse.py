@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import logging
 import os
 import sys
 import types
@@ -281,8 +282,24 @@ def load_config(argv: list[str] | None = None, env: dict[str, str] | None = None
             section = getattr(section, part)
         setattr(section, f.name, converted)
     config.explicit_keys = set(values)
+    _sources_over_a_file_dataset(config, values)
     compat.resolve(config)  # torchtitan's names (hf_assets_path, [training.dataloader]) onto ours
     return config
+
+
+def _sources_over_a_file_dataset(config: JobConfig, values: dict[str, tuple[Any, bool]]) -> None:
+    """``--data.sources`` on the command line over a config file's ``training.dataset`` (the presets set one):
+    the command line wins, as it does for any key, and the log says so. Both in the same place stay a
+    mistake (validation refuses it)."""
+    if not values.get("data.sources", (None, False))[1]:
+        return
+    from_file = [k for k in ("training.dataset", "training.dataset_path") if k in values and not values[k][1]]
+    for key in from_file:
+        config.explicit_keys.discard(key)
+    if from_file:
+        logging.getLogger("trainer").info(
+            "data.sources from the command line replaces %s of %s", " and ".join(
+                f"{k} = {json.dumps(section_of(config, k))}" for k in from_file), config.job.config_file)
 
 
 def toml_value(v: Any) -> str:
