@@ -125,3 +125,21 @@ def test_command_line_sources_replace_a_preset_dataset_and_say_so(tmp_path, capl
     both.write_text(f'[training]\ndataset = "shakespeare"\n[data]\nsources = ["jsonl:{data}"]\n')
     with pytest.raises(ConfigError, match="not both"):
         validate(load_config(["--job.config_file", str(both)], env={}))
+
+
+def test_an_empty_data_file_is_named_as_empty_not_as_too_many_shards(tmp_path):
+    from tokenizer import DEBUG_TOKENIZER_PATH, build_tokenizer
+    from trainer.data.loader import build_train_loader
+
+    tok = build_tokenizer(DEBUG_TOKENIZER_PATH)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    config = load_config(["--training.dataset", "jsonl", "--training.dataset_path", str(empty)], env={})
+    with pytest.raises(ConfigError, match="holds no document") as e:
+        build_train_loader(config, tok, dp_rank=0, dp_world_size=1)
+    assert "num_shards" not in str(e.value)
+    small = tmp_path / "small.jsonl"
+    small.write_text('{"text": "one document"}\n')  # data, but fewer documents than shards
+    config = load_config(["--training.dataset", "jsonl", "--training.dataset_path", str(small)], env={})
+    with pytest.raises(ConfigError, match="lower data.num_shards"):
+        build_train_loader(config, tok, dp_rank=0, dp_world_size=1)

@@ -97,6 +97,9 @@ def build_plan(config, tokenizer, specs: list[SourceSpec], weights: list[float],
         # Too many shards for small data is a likely mistake: say so now rather than at the first batch.
         if src.check_cost() * num_shards <= 100_000:
             empty = [j for j in range(num_shards) if src.shard_is_empty(j, num_shards)]
+            if len(empty) == num_shards:  # no shard count helps: the data itself is empty
+                raise ConfigError(f"{src.spec.key}: {src.label} holds no document (an empty file, or none with "
+                                  f"text in data.text_field {d.text_field!r})")
             if empty:
                 raise ConfigError(
                     f"{src.spec.key}: {src.label} is too small for data.num_shards = {num_shards}: {len(empty)} "
