@@ -65,6 +65,27 @@ def memory_gib(device: torch.device) -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+PREVIOUS_RUNS = "previous_runs"
+
+
+def set_aside_previous_records(dump_folder: Path, tensorboard_dir: Path | None) -> Path | None:
+    """A run that starts at step 0 in a dump folder holding an earlier run's records (metrics.jsonl,
+    TensorBoard events, summary.json, but no checkpoint to resume from) moves them into
+    ``previous_runs/<UTC time>/`` first, so that no file mixes two runs' steps. Returns that folder, or None
+    when there was nothing to move."""
+    records = [dump_folder / "metrics.jsonl", dump_folder / "summary.json"]
+    if tensorboard_dir is not None and tensorboard_dir.is_dir() and any(tensorboard_dir.iterdir()):
+        records.append(tensorboard_dir)
+    records = [p for p in records if p.exists() and (p.is_dir() or p.stat().st_size > 0)]
+    if not any(p.name == "metrics.jsonl" or p == tensorboard_dir for p in records):
+        return None  # a summary.json alone (a run that failed before its first step) is simply replaced
+    target = dump_folder / PREVIOUS_RUNS / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target.mkdir(parents=True, exist_ok=True)
+    for path in records:
+        os.replace(path, target / path.name)
+    return target
+
+
 class MetricsWriter:
     """Appends one JSON object per logged step to metrics.jsonl and mirrors scalars to TensorBoard.
 

@@ -38,7 +38,16 @@ from trainer.data.checks import grad_accum_steps
 from trainer.data.faults import SkipMonitor
 from trainer.data.tokenizer import load_tokenizer
 from trainer.fingerprint import sequence_fingerprint, wrap_int64
-from trainer.metrics import MetricsWriter, Throughput, console_line, format_eta, memory_gib, peak_tflops, use_color
+from trainer.metrics import (
+    MetricsWriter,
+    Throughput,
+    console_line,
+    format_eta,
+    memory_gib,
+    peak_tflops,
+    set_aside_previous_records,
+    use_color,
+)
 from trainer.models.config import resolve_model_args
 from trainer.models.llama.flops import flops_per_token, model_num_params
 from trainer.models.llama.model import Transformer
@@ -165,10 +174,13 @@ class Trainer:
 
     def build_metrics(self) -> None:
         config = self.config
-        self.metrics = MetricsWriter(
-            self.dump_folder, enabled=self.is_logging_rank,
-            tensorboard_dir=self.dump_folder / config.metrics.save_tb_folder if config.metrics.enable_tensorboard else None,
-        )
+        tensorboard_dir = self.dump_folder / config.metrics.save_tb_folder if config.metrics.enable_tensorboard else None
+        if self.is_logging_rank and self.state.step == 0:  # a new run: an earlier one's records are not its own
+            moved = set_aside_previous_records(self.dump_folder, tensorboard_dir)
+            if moved is not None:
+                logger.info("this dump folder held an earlier run's records and no checkpoint to resume: moved "
+                            "them to %s", moved)
+        self.metrics = MetricsWriter(self.dump_folder, enabled=self.is_logging_rank, tensorboard_dir=tensorboard_dir)
         self.throughput = Throughput(self.flops_per_token, peak_tflops(self.device, config.metrics.peak_tflops))
         self.color = use_color(config.metrics.disable_color_printing)
         logger.info(

@@ -1,0 +1,65 @@
+"""A new run in a dump folder that holds an earlier run's records but no checkpoint: the earlier records are
+moved aside (and the log says where), so metrics.jsonl and TensorBoard hold one run's steps only; a resumed
+run keeps appending to its own. The real ``trainer.train.main`` at world size 1, in this process."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import io
+import json
+import socket
+from pathlib import Path
+
+from tests.utils import DEBUG_CONFIG, FAST
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train(dump: Path, *args: str, monkeypatch) -> tuple[int, str]:
+    from trainer.train import main
+
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(_free_port())}.items():
+        monkeypatch.setenv(k, v)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            rc = main(["--job.config_file", str(DEBUG_CONFIG), "--job.dump_folder", str(dump), *FAST, *args])
+        finally:
+            gc.enable()  # the training loop disables automatic GC
+    return rc, out.getvalue()
+
+
+def steps(path: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_a_new_run_moves_the_earlier_records_aside(tmp_path, monkeypatch):
+    dump = tmp_path / "run"
+    rc, log = train(dump, "--training.steps", "4", "--checkpoint.enable", "false",
+                    "--metrics.enable_tensorboard", "true", monkeypatch=monkeypatch)
+    assert rc == 0, log[-3000:]
+    rc, log = train(dump, "--training.steps", "2", "--checkpoint.enable", "false",
+                    "--metrics.enable_tensorboard", "true", monkeypatch=monkeypatch)
+    assert rc == 0, log[-3000:]
+    assert steps(dump / "metrics.jsonl") == [1, 2]  # this run's steps only
+    (previous,) = (dump / "previous_runs").iterdir()
+    assert f"moved them to {previous}" in log
+    assert steps(previous / "metrics.jsonl") == [1, 2, 3, 4]
+    assert len(list((previous / "tb").rglob("events.out.tfevents.*"))) == 1
+    assert len(list((dump / "tb").rglob("events.out.tfevents.*"))) == 1
+    assert json.loads((previous / "summary.json").read_text())["status"] == "completed"
+
+
+def test_a_resumed_run_keeps_its_records(tmp_path, monkeypatch):
+    dump = tmp_path / "run"
+    rc, log = train(dump, "--training.steps", "2", "--checkpoint.enable", monkeypatch=monkeypatch)
+    assert rc == 0, log[-3000:]
+    rc, log = train(dump, "--training.steps", "4", "--checkpoint.enable", monkeypatch=monkeypatch)
+    assert rc == 0, log[-3000:]
+    assert steps(dump / "metrics.jsonl") == [1, 2, 3, 4] and not (dump / "previous_runs").exists()
