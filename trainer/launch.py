@@ -13,8 +13,10 @@ Here:
   worker prints it) and the launcher names the log;
 - torchrun's own log lines and its full failure report go to ``<dump_folder>/launcher/<host>.log``, which
   every failure line names;
-- node 0's launcher holds the dump folder's run lock (trainer/runlock.py) for the whole job, torchrun's
-  restarts included: a second launch into the same folder ends at once with one line and exit code 6;
+- the job holds the dump folder's run lock (trainer/runlock.py) for its whole life, torchrun's restarts
+  included: the first node's launcher takes it, the job's other nodes join it (the job is named by its
+  rendezvous id and endpoint), and a launch of another job into the same folder ends at once with one line
+  and exit code 6;
 - a dump folder it cannot write ends with one line and exit code 5;
 - SIGTERM/SIGINT: torchrun forwards the signal, the workers save and exit (trainer/preemption.py), and the
   launcher prints their line and exits with 128 + the signal's number.
@@ -57,14 +59,24 @@ def _job(trainer_argv: list[str]) -> tuple[str, int]:
         return "./outputs", 300
 
 
-def _take_lock(dump_folder: str, stale_after_s: int, node_rank: int):
-    """Node 0's launcher holds the dump folder's run lock for the whole job (torchrun restarts included)."""
+def job_identity(args) -> str | None:
+    """A multi-node job's name as every node's launcher sees it: its rendezvous id and endpoint (None for a
+    single-node launch)."""
+    max_nodes = str(getattr(args, "nnodes", "1")).split(":")[-1]
+    if getattr(args, "standalone", False) or max_nodes == "1":
+        return None
+    return f"{args.rdzv_id}@{args.rdzv_endpoint}"
+
+
+def _take_lock(dump_folder: str, stale_after_s: int, job: str | None):
+    """The dump folder's run lock, for the whole job (torchrun restarts included): the first node's launcher
+    takes it, the other nodes of the same job join it, any other job is refused."""
     from trainer.runlock import ENV, RunLock
 
-    if stale_after_s <= 0 or node_rank != 0:
+    if stale_after_s <= 0:
         return None
-    lock = RunLock(Path(dump_folder), stale_after_s).acquire()
-    os.environ[ENV] = str(lock.path)  # the workers inherit it: held already
+    lock = RunLock(Path(dump_folder), stale_after_s, job=job).acquire()
+    os.environ[ENV] = str(lock.path)  # the workers inherit it: held already (by this node or the job's first)
     return lock
 
 
@@ -119,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     lock = None
     try:
         log_path = _log_file(dump_folder)
-        lock = _take_lock(dump_folder, stale_after_s, int(getattr(args, "node_rank", 0) or 0))
+        lock = _take_lock(dump_folder, stale_after_s, job_identity(args))
     except TrainerError as e:
         print(f"{e.label}: {e}", file=sys.stderr)
         return e.exit_code

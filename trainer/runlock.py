@@ -1,8 +1,11 @@
 """One run per dump folder: ``<dump_folder>/run.lock`` names the host, pid and start time of the run that
 owns the folder, with a heartbeat the owner refreshes every ``HEARTBEAT_S`` seconds.
 
-The launcher (``trainer.launch``, on node 0) takes the lock before torchrun starts and holds it across
-torchrun's restarts; workers started without it (plain ``torchrun -m trainer.train``) take it on rank 0.
+The launcher (``trainer.launch``) takes the lock before torchrun starts and holds it across torchrun's
+restarts; workers started without it (plain ``torchrun -m trainer.train``) take it on rank 0. The lock
+belongs to the job, not to one node: a multi-node job names itself by its rendezvous (id and endpoint), the
+first node's launcher to arrive takes the lock, and the other nodes of that job join it (whatever node rank
+they were given); a launcher of any other job is refused.
 A second launch into the same folder stops at once with one line (exit code 6). A lock is stale, and taken
 over with a warning, when its process is gone (same host) or its heartbeat is older than
 ``job.lock_stale_after_s`` (another host, e.g. on a shared filesystem after a node died).
@@ -69,6 +72,13 @@ def stale_reason(info: dict, path: Path, stale_after_s: float) -> str | None:
     return None
 
 
+def _mtime(path: Path) -> float:
+    try:
+        return Path(path).stat().st_mtime
+    except OSError:
+        return 0.0
+
+
 def acquire_in_worker(job) -> "RunLock | None":
     """Rank 0 of a run started without the launcher (plain torchrun) takes the lock itself."""
     if os.environ.get(ENV) or job.lock_stale_after_s <= 0 or int(os.environ.get("RANK", "0")) != 0:
@@ -79,26 +89,38 @@ def acquire_in_worker(job) -> "RunLock | None":
 class RunLock:
     """The lock of one dump folder, held by this process until :meth:`release`."""
 
-    def __init__(self, dump_folder: Path, stale_after_s: float, role: str = "launcher"):
+    def __init__(self, dump_folder: Path, stale_after_s: float, role: str = "launcher", job: str | None = None):
         self.path = Path(dump_folder) / LOCK_FILE
         self.stale_after_s = stale_after_s
         self.info = {"host": socket.gethostname(), "pid": os.getpid(), "role": role,
                      "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "heartbeat": time.time()}
+        if job is not None:
+            self.info["job"] = job  # the other nodes of this job join the lock instead of being refused
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.held = False
+        self.joined = False  # another node of the same job holds it
 
     def acquire(self) -> "RunLock":
-        """Take the lock (or a stale one) and start the heartbeat; raises :class:`RunLockedError`."""
+        """Take the lock (or a stale one) and start the heartbeat, or join the lock of this job's first node;
+        raises :class:`RunLockedError`."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        for _ in range(3):
+        for _ in range(50):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 info = read_lock(self.path)
                 if info is None:
                     continue  # released meanwhile
+                if not info and time.time() - _mtime(self.path) < 5.0:
+                    time.sleep(0.1)  # created a moment ago by another launcher, not written yet
+                    continue
                 reason = stale_reason(info, self.path, self.stale_after_s)
+                if reason is None and self.info.get("job") is not None and info.get("job") == self.info["job"]:
+                    self.joined = True
+                    logger.info("run lock %s: held by this job's node on host %s; joining it", self.path,
+                                info.get("host", "?"))
+                    return self
                 if reason is None:
                     raise RunLockedError(
                         f"{self.path.parent} is in use by another run (host {info.get('host', '?')}, pid "
