@@ -11,9 +11,10 @@
 # failure prints one line and exits with its code (2 config, 3 checkpoint, 4 data); torchrun's full report
 # is in <dump_folder>/launcher/<host>.log.
 # See docs/multinode.md.
+# Relative paths (CONFIG_FILE, --job.config_file, dump folder, data, tokenizer) are the caller's: resolved
+# against the working directory this script is started from, as any command's arguments are.
 set -euo pipefail
-cd "$(dirname "$0")"
-ROOT=$(pwd)
+ROOT=$(cd "$(dirname "$0")" && pwd)
 
 # First run on a fresh clone: create .venv and install the project into it (not for a dry run).
 source "$ROOT/scripts/setup_env.sh"

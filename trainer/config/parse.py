@@ -246,7 +246,7 @@ def load_config(argv: list[str] | None = None, env: dict[str, str] | None = None
             inside = f" ({', '.join(tomls)})" if tomls else ""
             raise ConfigError(f"job.config_file: '{path}' is a folder; name a TOML file, such as one in it{inside}")
         if not path.is_file():
-            raise ConfigError(f"job.config_file: no such file '{path}'")
+            raise ConfigError(f"job.config_file: no such file '{path}'{_relative_hint(path)}")
         try:
             text = path.read_text(encoding="utf-8")
             data = tomllib.loads(text)
@@ -266,9 +266,11 @@ def load_config(argv: list[str] | None = None, env: dict[str, str] | None = None
             if key not in known:
                 raise ConfigError(f"{path}: {_unknown_key(key, list(known))}")
             values[key] = (value, False)
-        values["job.config_file"] = (str(path), True)
+        values["job.config_file"] = (str(path.resolve()), True)
     for key, value in cli.items():
         values[key] = (value, True)
+    if config_file:  # the file read, recorded absolute in config.toml (relative: to this working directory)
+        values["job.config_file"] = (str(Path(str(config_file)).resolve()), True)
 
     config = job_config_class()()
     for key, (value, from_cli) in values.items():
@@ -285,6 +287,15 @@ def load_config(argv: list[str] | None = None, env: dict[str, str] | None = None
     _sources_over_a_file_dataset(config, values)
     compat.resolve(config)  # torchtitan's names (hf_assets_path, [training.dataloader]) onto ours
     return config
+
+
+def _relative_hint(path: Path) -> str:
+    """For a relative path not found: where it was looked for, and the repository's file of that name."""
+    if path.is_absolute():
+        return ""
+    bundled = Path(__file__).resolve().parents[2] / path
+    also = f"; the repository has {bundled}" if bundled.is_file() else ""
+    return f" (relative to the working directory {os.getcwd()}){also}"
 
 
 def _sources_over_a_file_dataset(config: JobConfig, values: dict[str, tuple[Any, bool]]) -> None:
