@@ -1,6 +1,24 @@
 # Sourced by run_train.sh and run_tests.sh. Sets PYTHON to an interpreter that has the project and its
 # dependencies, creating .venv and installing into it on the first run.
 #   ensure_env EXTRAS MODULES   e.g. ensure_env "" "torch torchdata"  or  ensure_env "[dev]" "pytest"
+# pip's output goes to the log; the console gets a line at most every 10 s saying what pip is at, so a first
+# install (a minute or more) visibly progresses. Its status is pip's (pipefail).
+_install_progress() {
+    local log="$1" line last=0 now
+    : >"$log"
+    while IFS= read -r line; do
+        printf '%s\n' "$line" >>"$log"
+        case "$line" in
+            Collecting*|Downloading*|"Installing collected"*|"Building"*|Successfully*)
+                now=$(date +%s)
+                if [ $((now - last)) -ge 10 ] || [ "${line#Successfully}" != "$line" ]; then
+                    echo "[setup] ${line:0:100}"
+                    last=$now
+                fi ;;
+        esac
+    done
+}
+
 ensure_env() {
     local extras="$1" modules="$2" root
     root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -21,7 +39,7 @@ ensure_env() {
     # No GPU: pin the CPU build of torch so pip never pulls a multi-GB CUDA build.
     if ! command -v nvidia-smi >/dev/null 2>&1; then constraints=(-c "$root/constraints.txt"); fi
     if ! { "$PYTHON" -m pip install --upgrade pip && "$PYTHON" -m pip install "${constraints[@]}" -e "$root$extras"; } \
-            >"$root/.venv/install.log" 2>&1; then
+            2>&1 | _install_progress "$root/.venv/install.log"; then
         tail -n 30 "$root/.venv/install.log"
         echo "[setup] installation failed; full log in .venv/install.log" >&2
         return 1

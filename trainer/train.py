@@ -359,7 +359,8 @@ class Trainer:
         last = step == config.training.steps
         # A skip known on the host (a skipped range) is always logged; a guard's verdict stays on the device
         # and is reported at the next log step.
-        if step % config.metrics.log_freq == 0 or last or out["skipped"] is True:
+        # Step 1 always (as torchtitan): the first loss line comes at once whatever metrics.log_freq is.
+        if step % config.metrics.log_freq == 0 or step == 1 or last or out["skipped"] is True:
             with record_function("log"):
                 self.log_step(step, out)
         with obs.checkpoint():

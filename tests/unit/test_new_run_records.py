@@ -63,3 +63,12 @@ def test_a_resumed_run_keeps_its_records(tmp_path, monkeypatch):
     rc, log = train(dump, "--training.steps", "4", "--checkpoint.enable", monkeypatch=monkeypatch)
     assert rc == 0, log[-3000:]
     assert steps(dump / "metrics.jsonl") == [1, 2, 3, 4] and not (dump / "previous_runs").exists()
+
+
+def test_the_first_step_is_always_logged(tmp_path, monkeypatch):
+    """As torchtitan: step 1's line comes at once whatever metrics.log_freq is, then every log_freq steps and
+    the last."""
+    rc, log = train(tmp_path / "run", "--training.steps", "7", "--metrics.log_freq", "3", "--checkpoint.enable",
+                    "false", monkeypatch=monkeypatch)
+    assert rc == 0, log[-3000:]
+    assert steps(tmp_path / "run" / "metrics.jsonl") == [1, 3, 6, 7]

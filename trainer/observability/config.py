@@ -15,7 +15,7 @@ from trainer.errors import ConfigError
 @dataclass
 class Metrics:
     log_freq: int = 10
-    """Log a console line and a metrics.jsonl record every this many steps (and at the last step)."""
+    """Log a console line and a metrics.jsonl record every this many steps (and at step 1 and the last step)."""
     enable_tensorboard: bool = True
     """Write TensorBoard events under <dump_folder>/<save_tb_folder>."""
     save_tb_folder: str = "tb"
