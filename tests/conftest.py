@@ -1,0 +1,54 @@
+"""Shared by every tier: no process a test starts outlives the session.
+
+tests/support/launch.py registers each process it starts; here they are killed, with all their
+descendants, at the end of the session and when pytest itself is stopped by SIGTERM or SIGINT (the
+handlers run before the signal's usual effect). A SIGKILL of pytest is covered by PR_SET_PDEATHSIG,
+which launch.py sets on each child.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from tests.support import launch
+
+_previous: dict[int, object] = {}
+
+
+def _on_signal(signum, frame):
+    launch.kill_all()
+    previous = _previous.get(signum)
+    if callable(previous):
+        previous(signum, frame)  # SIGINT: KeyboardInterrupt, pytest's own reporting
+    elif signum == signal.SIGTERM:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+def pytest_configure(config):
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        try:
+            _previous[signum] = signal.signal(signum, _on_signal)
+        except ValueError:  # not the main thread
+            pass
+
+
+def pytest_unconfigure(config):
+    launch.kill_all()
+    for signum, previous in _previous.items():
+        signal.signal(signum, previous)
+    _previous.clear()
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    import pytest
+
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (gpu marker)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
