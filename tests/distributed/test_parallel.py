@@ -34,7 +34,7 @@ def test_layout_matches_single_process(name, batches):
 
 
 COMPILE = spec("compile", 1, *STEPS, "--training.local_batch_size", "8", "--compile.enable",
-               "--compile.cache_dir", "{root}/compile_inductor_cache")
+               "--compile.cache_dir", "{root}/compile_inductor_cache", lane="compile")
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """Never lose or corrupt work, end to end through run_train.sh (real torchrun, gloo, DCP files).
 
-One straight 20-step run on 2 processes is the reference for every other run here; while it runs a
-second launch into its dump folder must be refused. Tiny settings: the debug model at seq_len 32, a
+One straight 20-step run on 2 processes is the reference for every other run here; a second launch into
+the dump folder of a run that is still going must be refused. Tiny settings: the debug model at seq_len 32, a
 constant learning rate after warmup (so that a 10-step run continued to 20 follows the same schedule).
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.launch import losses, read_metrics, run_train, start_train
+from tests.support.launch import alive, descendants, kill_tree, losses, read_metrics, run_train, start_train
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,6 @@ TINY = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--metri
         "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_type", "constant",
         "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "true"]
 STEPS = 20
-SECOND: dict = {}  # the second launch into the reference's folder: (its result, seconds it took)
 
 
 def train(dump: Path, *args: str, nproc: int = 2, check: bool = True) -> subprocess.CompletedProcess:
@@ -64,30 +63,33 @@ def wait_for_step(dump: Path, step: int, proc: subprocess.Popen, timeout: float 
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> Path:
-    """The reference: 20 steps on 2 processes, a checkpoint every 5. A second launch into the same folder
-    while it runs is refused at once (the result is kept for test_second_launch_refused)."""
+    """The reference: 20 steps on 2 processes, a checkpoint every 5."""
     dump = tmp_path_factory.mktemp("straight")
-    first = start_train(dump, *TINY, "--training.steps", str(STEPS), "--checkpoint.interval", "5", nproc=2,
-                        fast=False)
-    try:
-        wait_for_step(dump, 2, first)
-        t0 = time.monotonic()
-        second = train(dump, "--training.steps", str(STEPS), check=False)
-        SECOND['result'] = (second, time.monotonic() - t0)
-        assert first.wait(timeout=300) == 0, Path(f"{dump}.log").read_text()[-4000:]
-    finally:
-        if first.poll() is None:
-            os.killpg(first.pid, signal.SIGKILL)
+    train(dump, "--training.steps", str(STEPS), "--checkpoint.interval", "5")
     return dump
 
 
-def test_second_launch_refused(straight):
-    second, seconds = SECOND['result']
+def test_second_launch_refused(straight, tmp_path):
+    """While a run holds its dump folder (stalled before step 2 by the hang drill, so it holds it for as
+    long as the test needs), a second launch into the folder is refused at once; a run that ended has
+    released the folder."""
+    assert not (straight / "run.lock").exists()  # released when the run ended
+    assert sorted(losses(straight)) == list(range(1, STEPS + 1))
+    dump = tmp_path / "run"
+    first = start_train(dump, *TINY, "--training.steps", str(STEPS), "--debug.stall_at_step", "2",
+                        "--debug.stall_seconds", "3600", nproc=1, fast=False)
+    try:
+        wait_for_step(dump, 1, first)  # step 2 stalls: the first run holds the folder until it is killed
+        assert (dump / "run.lock").exists()
+        t0 = time.monotonic()
+        second = train(dump, "--training.steps", str(STEPS), check=False)
+        seconds = time.monotonic() - t0
+        assert first.poll() is None  # still holding the folder
+    finally:
+        kill_tree(first)
     assert second.returncode == 6, output(second)
     assert "in use by another run" in output(second) and "Traceback" not in output(second)
     assert seconds < 30
-    assert not (straight / "run.lock").exists()  # released when the run ended
-    assert sorted(losses(straight)) == list(range(1, STEPS + 1))
 
 
 def test_bit_flip_in_newest_checkpoint(straight, tmp_path):
@@ -133,8 +135,7 @@ def test_sigterm_saves_and_resumes_exactly(straight, tmp_path):
         os.killpg(proc.pid, signal.SIGTERM)  # as a scheduler does: the launcher and the workers
         rc = proc.wait(timeout=120)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc)
     log = Path(f"{dump}.log").read_text()
     assert rc == 128 + signal.SIGTERM, log[-3000:]
     assert "Traceback" not in log
@@ -148,54 +149,27 @@ def test_sigterm_saves_and_resumes_exactly(straight, tmp_path):
     assert [got[s] for s in range(1, STEPS + 1)] == [want[s] for s in range(1, STEPS + 1)]
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        return state != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")
 def test_kill_9_of_agent_leaves_no_worker(tmp_path):
     dump = tmp_path / "run"
     proc = start_train(dump, *TINY, "--training.steps", "500", nproc=1, fast=False)
     try:
         wait_for_step(dump, 1, proc)
-        workers = _descendants(proc.pid)
+        workers = descendants(proc.pid)
         assert workers
         os.kill(proc.pid, signal.SIGKILL)  # the launcher is torchrun's agent
         proc.wait(timeout=10)
         deadline = time.monotonic() + 10
-        while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+        while any(alive(p) for p in workers) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not [p for p in workers if _alive(p)]
+        assert not [p for p in workers if alive(p)]
     finally:
-        for p in _descendants(proc.pid):
-            os.kill(p, signal.SIGKILL)
+        kill_tree(proc)
 
 
 def test_train_10_then_continue_to_20(straight, tmp_path):
     """The default checkpoint settings (only the last step's save): the continued run resumes exactly, the
-    first run's final export stays, and both lone runs match the reference (which had a second launch
-    knocking on its folder)."""
+    first run's final export stays, and both runs match the reference."""
     dump = tmp_path / "run"
     train(dump, "--training.steps", "10")
     first_final = dump / "checkpoint" / "final-step-10"

@@ -26,17 +26,20 @@ class Spec:
     copy: tuple[tuple[str, str], ...] = ()
     fast: bool = True
     save_batch: bool = False
+    lane: str = ""
 
 
 SPECS: dict[str, Spec] = {}
 
 
 def spec(name: str, nproc: int, *args: str, after: tuple[str, ...] = (), copy: tuple[tuple[str, str], ...] = (),
-         fast: bool = True, save_batch: bool = False) -> str:
+         fast: bool = True, save_batch: bool = False, lane: str = "") -> str:
     """Declare a run: ``--job.config_file`` the debug model, ``--job.dump_folder {root}/<name>``, the fast
     settings of tests/support/launch.py (unless ``fast`` is false), then ``args``. ``after``: runs that must
-    end first; ``copy``: (source, destination) folders copied before it starts. Returns the name."""
-    new = Spec(name, nproc, tuple(args), tuple(after), tuple(tuple(c) for c in copy), fast, save_batch)
+    end first; ``copy``: (source, destination) folders copied before it starts; ``lane``: a name for a torchrun
+start of its own (beside the one of its world size), for a long run that should not hold up the others.
+Returns the name."""
+    new = Spec(name, nproc, tuple(args), tuple(after), tuple(tuple(c) for c in copy), fast, save_batch, lane)
     if SPECS.setdefault(name, new) != new:
         raise ValueError(f"run {name!r} declared twice, differently")
     return name
@@ -65,7 +68,7 @@ class Run:
 class Batches:
     root: Path
     names: set[str]
-    procs: dict[int, tuple] = field(default_factory=dict)
+    procs: dict[tuple[int, str], tuple] = field(default_factory=dict)
 
     def __post_init__(self):
         todo, wanted = list(self.names), set()
@@ -76,15 +79,17 @@ class Batches:
             if name not in wanted:
                 wanted.add(name)
                 todo += SPECS[name].after
+        self._wanted = wanted
         order = list(SPECS)  # declaration order, then: runs others continue from first, runs that wait last
         producers = {a for n in wanted for a in SPECS[n].after}
-        by_size: dict[int, list[Spec]] = {}
+        by_size: dict[tuple[int, str], list[Spec]] = {}
         for s in sorted((SPECS[n] for n in wanted),
                         key=lambda s: (bool(s.after), s.name not in producers, order.index(s.name))):
-            by_size.setdefault(s.nproc, []).append(s)
+            by_size.setdefault((s.nproc, s.lane), []).append(s)
         self.root.mkdir(parents=True, exist_ok=True)
-        for nproc, specs in sorted(by_size.items()):
-            self.procs[nproc] = start_torchrun(nproc, [self._worker_spec(s) for s in specs], self.root)
+        for (nproc, lane), specs in sorted(by_size.items()):
+            self.procs[(nproc, lane)] = start_torchrun(nproc, [self._worker_spec(s) for s in specs], self.root,
+                                                       name=f"torchrun_{nproc}{'_' + lane if lane else ''}")
 
     def _path(self, text: str) -> str:
         return text.replace("{root}", str(self.root))
@@ -103,9 +108,10 @@ class Batches:
 
     def get(self, name: str, timeout: float = 1200) -> Run:
         """The run, once it has ended with exit code 0 (else the test fails with its log)."""
-        if name not in SPECS or SPECS[name].nproc not in self.procs:
+        s = SPECS.get(name)
+        if s is None or (s.nproc, s.lane) not in self.procs or name not in self._wanted:
             raise KeyError(f"run {name!r} was not started: mark the test with @pytest.mark.runs({name!r})")
-        proc, worker_log = self.procs[SPECS[name].nproc]
+        proc, worker_log = self.procs[(s.nproc, s.lane)]
         result = self.root / f"{name}.result.json"
         log = self.root / f"{name}.log"
         deadline = time.monotonic() + timeout

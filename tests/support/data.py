@@ -1,7 +1,8 @@
-"""Helpers for the data tests (tests/test_data*.py): a fast byte tokenizer, synthetic corpora, configs."""
+"""Test data: a fast byte tokenizer, synthetic corpora (also in the layout of a local C4 copy), configs."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
 from collections import defaultdict
@@ -85,3 +86,20 @@ def token_pairs(batches: Iterable[dict]) -> list[tuple[int, int]]:
         for row_d, row_p in zip(b["doc_ids"].tolist(), b["doc_positions"].tolist()):
             out.extend(zip(row_d, row_p))
     return out
+
+
+WORDS = ("the quick brown fox jumps over the lazy dog while seven wizards quietly hum old songs about rivers "
+         "mountains and the sea").split()
+
+
+def make_c4(folder: Path, docs: int = 400, gz: bool = True) -> Path:
+    """allenai/c4's layout: en/c4-{train,validation}.NNNNN-of-NNNNN.json.gz, rows {text, timestamp, url}."""
+    rng = random.Random(0)
+    (folder / "en").mkdir(parents=True, exist_ok=True)
+    for split in ("train", "validation"):
+        name = folder / "en" / f"c4-{split}.00000-of-00001.json{'.gz' if gz else ''}"
+        with (gzip.open if gz else open)(name, "wt", encoding="utf-8") as f:
+            for i in range(docs):
+                text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(30, 300)))
+                f.write(json.dumps({"text": text, "timestamp": "2019-04-25T12:57:54Z", "url": f"https://e.x/{i}"}) + "\n")
+    return folder

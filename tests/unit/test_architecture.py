@@ -136,7 +136,7 @@ CONFIG_MODULES = {"trainer/config/sections.py", "trainer/config/keys.py", "train
 # Read by the config machinery itself, by design.
 READ_BY_PARSER = {"job.config_file"}
 # torchtitan keys accepted only at their default: trainer/compat.py reads each one (by name, from its
-# table) and refuses any other value; tests/test_torchtitan_compat.py sets each one and checks the refusal.
+# table) and refuses any other value; tests/unit/test_torchtitan_compat.py sets each one and checks the refusal.
 from trainer.compat import REFUSED  # noqa: E402
 
 READ_BY_PARSER |= set(REFUSED)

@@ -4,16 +4,15 @@ tokenizer folders, its command-line flags and its learning-rate schedule (docs/c
 from __future__ import annotations
 
 import functools
-import gzip
 import json
 import math
-import random
 import typing
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.support.data import make_c4
 from tests.support.launch import ROOT
 from tests.support.tokenizers import make_tokenizer_folder
 from trainer.compat import REFUSED
@@ -24,26 +23,12 @@ ASSETS = ROOT / "tests" / "assets" / "torchtitan"
 # torchtitan v0.2.2's JobConfig: every key with its type and default (facts read from its source).
 TORCHTITAN_KEYS = json.loads((ASSETS / "job_config_v0.2.2.json").read_text())
 TOMLS = {"debug_model": 1, "base_config": 8, "llama3_8b": 64, "llama3_70b": 64, "llama3_405b": 128}
-WORDS = ("the quick brown fox jumps over the lazy dog while seven wizards quietly hum old songs about rivers "
-         "mountains and the sea").split()
+
 
 
 # --------------------------------------------------------------------------------------------------
 # Assets a torchtitan user has: a Hugging Face tokenizer folder and a local copy of C4
 # --------------------------------------------------------------------------------------------------
-
-
-def make_c4(folder: Path, docs: int = 400, gz: bool = True) -> Path:
-    """allenai/c4's layout: en/c4-{train,validation}.NNNNN-of-NNNNN.json.gz, rows {text, timestamp, url}."""
-    rng = random.Random(0)
-    (folder / "en").mkdir(parents=True, exist_ok=True)
-    for split in ("train", "validation"):
-        name = folder / "en" / f"c4-{split}.00000-of-00001.json{'.gz' if gz else ''}"
-        with (gzip.open if gz else open)(name, "wt", encoding="utf-8") as f:
-            for i in range(docs):
-                text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(30, 300)))
-                f.write(json.dumps({"text": text, "timestamp": "2019-04-25T12:57:54Z", "url": f"https://e.x/{i}"}) + "\n")
-    return folder
 
 
 # --------------------------------------------------------------------------------------------------
@@ -239,27 +224,6 @@ def test_torchtitan_tomls_pass_a_dry_run_unchanged(name, tmp_path, monkeypatch, 
     assert main(["--job.config_file", str(ASSETS / f"{name}.toml"), "--job.dry_run"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["status"] == "ok"
-
-
-@pytest.mark.slow  # the TOML's own shape: 10 steps of 8 x 2048 tokens, a few CPU-minutes
-def test_debug_toml_trains_ten_steps_with_local_assets(tmp_path, monkeypatch):
-    from trainer.train import main
-
-    folder = make_tokenizer_folder(tmp_path / "tokenizer")
-    c4 = make_c4(tmp_path / "c4")
-    monkeypatch.chdir(tmp_path)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # one process, compute-bound: both of CI's cores
-    try:
-        rc = main(["--job.config_file", str(ASSETS / "debug_model.toml"), "--model.hf_assets_path", str(folder),
-                   "--training.dataset_path", str(c4)])
-    finally:
-        torch.set_num_threads(threads)
-    assert rc == 0
-    records = [json.loads(line) for line in (tmp_path / "outputs" / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in records if "loss" in r]
-    assert [r["step"] for r in records if "loss" in r] == list(range(1, 11))
-    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The stability toolkit through real runs of ./run_train.sh (debug model, seq_len 64, a few steps).
+"""The stability toolkit through real runs of the trainer in this process (``trainer.train.main``, world
+size 1; the debug model, seq_len 64, a few steps).
 
 One baseline run (every tool on, checkpoints every 5 steps) serves as the reference for the skip-range
 sanity check and for both resume tests.
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.launch import read_metrics, run_train
+from tests.support.launch import read_metrics, train_in_process
 from trainer.config import LRScheduler
 from trainer.optim import LRSchedule
 
@@ -39,10 +40,23 @@ def by_step(dump: Path) -> dict[int, dict]:
     return {r["step"]: r for r in read_metrics(dump)}
 
 
+def run_train(dump: Path, *args: str, monkeypatch, check: bool = True) -> tuple[int, str]:
+    """The run in this process; (exit code, console output)."""
+    rc, log = train_in_process(dump, *args, monkeypatch=monkeypatch)
+    assert rc == 0 or not check, log[-6000:]
+    return rc, log
+
+
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory) -> Path:
+def module_monkeypatch():
+    with pytest.MonkeyPatch.context() as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, module_monkeypatch) -> Path:
     dump = tmp_path_factory.mktemp("baseline")
-    run_train(dump, *BASE)
+    run_train(dump, *BASE, monkeypatch=module_monkeypatch)
     return dump
 
 
@@ -58,10 +72,11 @@ def resumable_copy(src: Path, dst: Path, step: int) -> Path:
     return dst
 
 
-def test_skipped_ranges_keep_data_and_schedule_and_are_marked(baseline, tmp_path):
+def test_skipped_ranges_keep_data_and_schedule_and_are_marked(baseline, tmp_path, monkeypatch):
     """The seed's sanity check: skipping 3-5 and 8 changes nothing but the updates of those steps."""
     dump = tmp_path / "skip"
-    run_train(dump, *BASE, "--stability.skip_steps=3-5,8", "--metrics.enable_tensorboard", "true")
+    run_train(dump, *BASE, "--stability.skip_steps=3-5,8", "--metrics.enable_tensorboard", "true",
+              monkeypatch=monkeypatch)
     ref, run = by_step(baseline), by_step(dump)
     assert sorted(ref) == sorted(run) == list(range(1, STEPS + 1))
     for s in ref:
@@ -98,11 +113,11 @@ def test_baseline_logs_alpha_schedule_and_z_loss(baseline):
     assert ref[STEPS]["spike_window"] == 6 and ref[STEPS]["spike_loss_threshold"] > 0
 
 
-def test_resume_restores_every_stability_state_exactly(baseline, tmp_path):
+def test_resume_restores_every_stability_state_exactly(baseline, tmp_path, monkeypatch):
     """Resuming the baseline from step 8 reproduces steps 9-18 exactly: losses, the spike window's
     thresholds, the counters, alpha and z-loss."""
     dump = resumable_copy(baseline, tmp_path / "resumed", 8)
-    run_train(dump, *BASE)
+    run_train(dump, *BASE, monkeypatch=monkeypatch)
     ref, run = by_step(baseline), by_step(dump)
     assert sorted(run) == list(range(1, STEPS + 1))
     for s in range(9, STEPS + 1):
@@ -110,7 +125,7 @@ def test_resume_restores_every_stability_state_exactly(baseline, tmp_path):
             assert run[s][key] == ref[s][key], (s, key, run[s][key], ref[s][key])
 
 
-def test_glm_restart_with_guards_and_fault_drills(baseline, tmp_path):
+def test_glm_restart_with_guards_and_fault_drills(baseline, tmp_path, monkeypatch):
     """The GLM workflow and the guards on one resumed run. Resume the baseline from step 8 with a new skip
     range right after it (9-10), a changed lr / min-lr factor / warmup / spike sigma and an LR re-warm.
     Then the drills:
@@ -122,9 +137,8 @@ def test_glm_restart_with_guards_and_fault_drills(baseline, tmp_path):
                "--lr_scheduler.warmup_steps", "3", "--stability.lr_rewarmup_steps_after_load", "3",
                "--stability.spike_sigma", "5", "--debug.inject_bad_data_steps", "14", "--debug.inject_nonfinite_loss_steps", "17,18",
                "--stability.max_consecutive_bad_steps", "2"]
-    proc = run_train(dump, *BASE, *changes, check=False)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-3000:]
+    rc, out = run_train(dump, *BASE, *changes, monkeypatch=monkeypatch, check=False)
+    assert rc != 0, out[-3000:]
     ref, run = by_step(baseline), by_step(dump)
     assert max(run) == 17  # step 18 stopped the run before it was logged
     assert [s for s in range(9, 18) if run[s]["skipped"]] == [9, 10, 14, 17]
