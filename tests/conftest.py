@@ -1,4 +1,4 @@
-"""Shared by every tier: no process a test starts outlives the session.
+"""Shared by every tier: no process a test starts outlives the session; the batched multi-process runs.
 
 tests/support/launch.py registers each process it starts; here they are killed, with all their
 descendants, at the end of the session and when pytest itself is stopped by SIGTERM or SIGINT (the
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import signal
+
+import pytest
 
 from tests.support import launch
 
@@ -46,9 +48,19 @@ def pytest_collection_modifyitems(config, items):
 
     if torch.cuda.is_available():
         return
-    import pytest
-
     skip = pytest.mark.skip(reason="needs a CUDA GPU (gpu marker)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def batches(request, tmp_path_factory):
+    """Every batched run (tests/support/batches.py) the selected tests name in ``@pytest.mark.runs(...)``,
+    one torchrun start per world size, started when the first test asks for one."""
+    from tests.support.batches import Batches
+
+    names = {name for item in request.session.items for mark in item.iter_markers("runs") for name in mark.args}
+    started = Batches(tmp_path_factory.mktemp("batches"), names)
+    yield started
+    started.close()

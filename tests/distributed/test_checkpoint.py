@@ -1,32 +1,61 @@
-"""Resharding: a checkpoint saved by FSDP 4 is resumed by other layouts (real processes over gloo, one
-torchrun start per world size). The runs use the settings of tests/e2e/test_checkpoint.py: a global batch
-of 4 sequences of 64 tokens and a constant learning rate after warmup, so a run continued from step 10
-follows the straight run's schedule."""
+"""Checkpoints in real runs of the trainer (gloo; one torchrun start per world size runs many): exact resume
+with synchronous and asynchronous saves, and resharding from FSDP 4 to other layouts. The settings and the
+straight reference run are in tests/support/checkpoints.py."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
 from tests.support.batches import spec
+from tests.support.checkpoints import CKPT, COMMON, STEPS, STRAIGHT, assert_same, batch
+from trainer.checkpoint import scan_folder
 
-STEPS = 20
-COMMON = ["--lr_scheduler.decay_type", "constant", "--checkpoint.interval", "5"]
-CKPT = ["--checkpoint.enable"]
-
-
-def batch(nproc: int) -> list[str]:
-    return ["--training.local_batch_size", str(4 // nproc)]
-
-
-def assert_same(ref: dict[int, dict], got: dict[int, dict], steps, rel: float) -> None:
-    for s in steps:
-        a, b = ref[s], got[s]
-        assert b["data_fingerprint"] == a["data_fingerprint"], f"step {s}: different data"
-        assert b["lr"] == a["lr"], f"step {s}: lr {b['lr']} != {a['lr']}"
-        assert abs(b["loss"] - a["loss"]) <= rel * abs(a["loss"]), f"step {s}: loss {b['loss']} vs {a['loss']}"
+SYNC = ["--checkpoint.last_save_model_only", "false"]
+SYNC_10 = spec("ckpt_sync_10", 1, *COMMON, *CKPT, *batch(1), *SYNC, "--training.steps", "10")
+SYNC_20 = spec("ckpt_sync_20", 1, *COMMON, *CKPT, *batch(1), *SYNC, "--training.steps", str(STEPS), after=(SYNC_10,),
+               dump=f"{{root}}/{SYNC_10}")
 
 
-STRAIGHT = spec("ckpt_straight", 1, *COMMON, *batch(1), "--training.steps", str(STEPS))
+@pytest.mark.slow
+@pytest.mark.runs(STRAIGHT, SYNC_10, SYNC_20)
+def test_exact_resume_sync(batches):
+    """10 steps, stop, the same command to 20: steps 11-20 bitwise identical to the straight run."""
+    batches.get(SYNC_10)
+    run = batches.get(SYNC_20)
+    assert "checkpoint step-10 saved" not in run.log and "step-10 loaded" in run.log
+    got = run.records()
+    assert_same(batches.get(STRAIGHT).records(), got, range(1, STEPS + 1))
+    assert sorted(got) == list(range(1, STEPS + 1))
+
+
+ASYNC = ["--checkpoint.async_mode", "async", "--checkpoint.drill_save_delay_s", "1"]
+ASYNC_10 = spec("ckpt_async_10", 1, *COMMON, *CKPT, *batch(1), *ASYNC, "--training.steps", "10")
+# The step-10 full save gone: final-step-10 (weights only) and step-5 are left.
+ASYNC_20 = spec("ckpt_async_20", 1, *COMMON, *CKPT, *batch(1), *ASYNC, "--training.steps", str(STEPS),
+                after=(ASYNC_10,), dump=f"{{root}}/{ASYNC_10}", remove=(f"{{root}}/{ASYNC_10}/checkpoint/step-10",))
+
+
+@pytest.mark.slow
+@pytest.mark.runs(STRAIGHT, ASYNC_10, ASYNC_20)
+def test_exact_resume_async(batches):
+    """Asynchronous saves (slowed down so several steps run while one is written) with the default
+    model-only final export: with the last step's full save gone, the extended run resumes from the
+    asynchronous step-5, bitwise."""
+    first = batches.get(ASYNC_10).log
+    saved = re.search(r"checkpoint step-5 saved: .* in ([0-9.]+) s \(training blocked ([0-9.]+) s\)", first)
+    assert saved, first[-3000:]
+    total, blocked = map(float, saved.groups())
+    assert total >= 1.0 > blocked  # written in the background while training went on
+    run = batches.get(ASYNC_20)
+    assert "holds only model weights" in run.log and "step-5 loaded" in run.log
+    assert_same(batches.get(STRAIGHT).records(), run.records(), range(1, STEPS + 1))
+    kinds = {c.path.name: c.kind for c in scan_folder(run.dump / "checkpoint")}
+    assert kinds == {"step-5": "full", "step-10": "full", "final-step-10": "model_only", "step-15": "full",
+                     "step-20": "full", "final-step-20": "model_only"}
+
+
 SOURCE = spec("ckpt_fsdp4", 4, *COMMON, *CKPT, *batch(4), "--training.steps", "10",
               "--checkpoint.last_save_model_only", "false")
 STEP10 = f"{{root}}/{SOURCE}/checkpoint/step-10"

@@ -3,9 +3,10 @@ real ``trainer.train.main``, in one process group.
 
 ``python -m torch.distributed.run --standalone --nproc_per_node N tests/distributed/worker.py SPECS.json``:
 SPECS is a JSON list of runs, each ``{"name", "argv": [--section.key value ...], "log": PATH,
-"result": PATH, "after": [RESULT PATH, ...], "copy": [[SRC, DST], ...], "save_batch": PATH or null}``.
-For each: wait until the runs it continues from (``after``, maybe in another torchrun start) have written
-their results; local rank 0 copies the checkpoint folders it starts from (``copy``); every rank calls
+"result": PATH, "after": [RESULT PATH, ...], "copy": [[SRC, DST], ...], "remove": [PATH, ...],
+"save_batch": PATH or null}``. For each: wait until the runs it continues from (``after``, maybe in another
+torchrun start) have written their results; local rank 0 copies the checkpoint folders it starts from
+(``copy``) and deletes the folders it must not find (``remove``); every rank calls
 ``trainer.train.main(argv)`` with its console output going to ``log`` (rank 0) or ``log.rank<r>``; rank 0
 writes ``{"rc": exit code}`` to ``result``. ``save_batch`` also writes the run's first training batch (what
 step 1 trains on). ``main`` ends a run by destroying the process group; here the group stays for the next
@@ -58,6 +59,18 @@ def _copy(pairs: list[list[str]], local_rank: int) -> None:
                 time.sleep(0.05)
 
 
+def _remove(paths: list[str], local_rank: int) -> None:
+    for path in map(Path, paths):
+        if local_rank == 0:
+            shutil.rmtree(path)
+        else:
+            deadline = time.monotonic() + WAIT_S
+            while path.exists():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{path} was not removed within {WAIT_S} s")
+                time.sleep(0.05)
+
+
 def _write_result(path: str, result: dict) -> None:
     tmp = Path(f"{path}.tmp")
     tmp.write_text(json.dumps(result))
@@ -88,6 +101,7 @@ def main() -> int:
             try:
                 _wait_for(spec.get("after", []))
                 _copy(spec.get("copy", []), local_rank)
+                _remove(spec.get("remove", []), local_rank)
                 if spec.get("save_batch") and rank == 0:
                     _save_batch(spec["argv"], spec["save_batch"])
                 with open(log, "w") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):

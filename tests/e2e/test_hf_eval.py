@@ -25,7 +25,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 pytest.importorskip("lm_eval")
 transformers = pytest.importorskip("transformers")
 
-from tests.support.launch import ROOT, read_metrics, run_train  # noqa: E402
+from tests.support.launch import ROOT, popen, read_metrics, run_train  # noqa: E402
 from tests.support.models import fast_model  # noqa: E402
 from tokenizer._policy import files_rule, run_separator  # noqa: E402
 from torchtitan_ext.evaluation.callback import flatten_results  # noqa: E402
@@ -89,7 +89,7 @@ def runs(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
     def start_lm_eval(info):  # lm_eval resolves the tasks' relative data_files against the working directory
-        return subprocess.Popen(
+        return popen(
             [str(LM_EVAL), "--model", "hf", "--model_args", f"pretrained={info['hf']},max_length=256", *COMMON,
              "--batch_size", "8", "--output_path", str(info["tmp"] / "lm_eval")], cwd=TASKS_DIR, env=env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -136,6 +136,7 @@ def packed_document(config, tok, tmp: Path) -> list[int]:
     return [int(t) for t in ShardStream(0, plan).next().tokens]
 
 
+@pytest.mark.slow  # the lm_eval CLI or a 2-process run
 def test_training_and_export_follow_one_bos_eos_rule(exported):
     tok, hf = exported["tok"], exported["hf"]
     plain = tok.encode(TEXT)
@@ -159,6 +160,7 @@ def test_training_and_export_follow_one_bos_eos_rule(exported):
         assert hf_tok.encode(TEXT) == plain and hf_tok.eos_token_id == 0
 
 
+@pytest.mark.slow  # the lm_eval CLI or a 2-process run
 def test_export_of_an_eos_separated_run_adds_nothing(runs, tmp_path):
     """data.separator = eos with a tokenizer that adds <s> ... </s>: the exported files add nothing."""
     import shutil
@@ -173,6 +175,7 @@ def test_export_of_an_eos_separated_run_adds_nothing(runs, tmp_path):
     assert transformers.AutoTokenizer.from_pretrained(str(folder)).encode(TEXT) == tok.encode(TEXT)
 
 
+@pytest.mark.slow  # the lm_eval CLI or a 2-process run
 def test_lm_eval_cli_on_export_equals_trainer_eval_on_checkpoint(exported):
     theirs, their_files, their_json = lm_eval_outputs(exported["tmp"] / "lm_eval")
     ours, our_files, our_json = lm_eval_outputs(exported["tmp"] / "trainer")
@@ -231,6 +234,7 @@ def test_eval_config_rules():
     check("--eval.freq", "10", "--eval.tasks", "tiny_mc", "--metrics.log_freq", "5")
 
 
+@pytest.mark.slow  # two 2-process runs through run_train.sh
 def test_in_training_eval_under_fsdp_equals_trainer_eval_on_the_checkpoint(tmp_path):
     dump = tmp_path / "run"
     common = ["--training.steps", "10", "--training.local_batch_size", "2", "--metrics.log_freq", "5",

@@ -21,8 +21,6 @@ import os
 import random
 import re
 import shlex
-import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -30,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.launch import ROOT, read_metrics, start_train
+from tests.support.launch import ROOT, free_port, kill_tree, read_metrics, start_train
 
 TRAIN = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--training.global_batch_size", "8",
          "--training.steps", "4", "--debug.deterministic", "--metrics.log_freq", "1",
@@ -200,12 +198,6 @@ class Run:
         return {r["step"]: r["loss"] for r in read_metrics(self.dump)}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def two_nodes(root: Path, name: str, args: list[str], env: dict[str, str] | None = None,
               per_node: list[dict[str, str]] | None = None, prefixes: list[tuple[str, ...]] | None = None) -> Run:
     """Two launchers, NNODES=2 and two processes each, started concurrently."""
@@ -321,14 +313,10 @@ def runs(request, tmp_path_factory):
             time.sleep(0.5)
         yield out
     finally:
-        for run in out.values():  # whatever is still running: the launcher's whole process group
+        for run in out.values():  # whatever is still running: the launcher and every process below it
             for proc, _ in run.agents:
                 if proc.poll() is None:
-                    try:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                    proc.wait()
+                    kill_tree(proc)
         if netns is not None:
             netns.remove()
 

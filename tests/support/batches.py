@@ -2,8 +2,9 @@
 run of that size (tests/distributed/worker.py), the starts running concurrently.
 
 A test module declares its runs at import with :func:`spec` and marks each test with the runs it reads,
-``@pytest.mark.runs("name", ...)``; the session fixture ``batches`` (tests/distributed/conftest.py) starts
+``@pytest.mark.runs("name", ...)``; the session fixture ``batches`` starts
 the runs the selected tests need (and the runs those continue from) and :meth:`Batches.get` waits for one.
+The fixture lives in tests/conftest.py, so a test of any tier can compare with a batched run.
 Arguments may name other runs' dump folders as ``{root}/<name>``.
 """
 
@@ -27,19 +28,24 @@ class Spec:
     fast: bool = True
     save_batch: bool = False
     lane: str = ""
+    dump: str = ""
+    remove: tuple[str, ...] = ()
 
 
 SPECS: dict[str, Spec] = {}
 
 
 def spec(name: str, nproc: int, *args: str, after: tuple[str, ...] = (), copy: tuple[tuple[str, str], ...] = (),
-         fast: bool = True, save_batch: bool = False, lane: str = "") -> str:
+         fast: bool = True, save_batch: bool = False, lane: str = "", dump: str = "",
+         remove: tuple[str, ...] = ()) -> str:
     """Declare a run: ``--job.config_file`` the debug model, ``--job.dump_folder {root}/<name>``, the fast
     settings of tests/support/launch.py (unless ``fast`` is false), then ``args``. ``after``: runs that must
-    end first; ``copy``: (source, destination) folders copied before it starts; ``lane``: a name for a torchrun
-start of its own (beside the one of its world size), for a long run that should not hold up the others.
-Returns the name."""
-    new = Spec(name, nproc, tuple(args), tuple(after), tuple(tuple(c) for c in copy), fast, save_batch, lane)
+    end first; ``copy``: (source, destination) folders copied before it starts; ``lane``: a name for a
+    torchrun start of its own (beside the one of its world size), for a long run that should not hold up the
+    others; ``dump``: another dump folder (e.g. the folder of the run it continues); ``remove``: folders
+    deleted before it starts. Returns the name."""
+    new = Spec(name, nproc, tuple(args), tuple(after), tuple(tuple(c) for c in copy), fast, save_batch, lane, dump,
+               tuple(remove))
     if SPECS.setdefault(name, new) != new:
         raise ValueError(f"run {name!r} declared twice, differently")
     return name
@@ -94,8 +100,11 @@ class Batches:
     def _path(self, text: str) -> str:
         return text.replace("{root}", str(self.root))
 
+    def dump(self, s: Spec) -> Path:
+        return Path(self._path(s.dump)) if s.dump else self.root / s.name
+
     def _worker_spec(self, s: Spec) -> dict:
-        dump = self.root / s.name
+        dump = self.dump(s)
         argv = ["--job.config_file", str(DEBUG_CONFIG), "--job.dump_folder", str(dump), *(FAST if s.fast else []),
                 *map(self._path, s.args)]
         for _, dst in s.copy:
@@ -104,6 +113,7 @@ class Batches:
                 "result": str(self.root / f"{s.name}.result.json"),
                 "after": [str(self.root / f"{a}.result.json") for a in s.after],
                 "copy": [[self._path(a), self._path(b)] for a, b in s.copy],
+                "remove": [self._path(r) for r in s.remove],
                 "save_batch": str(self.root / f"{s.name}.batch0.pt") if s.save_batch else None}
 
     def get(self, name: str, timeout: float = 1200) -> Run:
@@ -125,7 +135,7 @@ class Batches:
         out = json.loads(result.read_text())
         text = log.read_text(errors="replace") if log.exists() else ""
         assert out["rc"] == 0, f"run {name!r} failed ({out['rc']}):\n{out.get('error', '')}\n{text[-6000:]}"
-        return Run(name, self.root / name, log, out["rc"])
+        return Run(name, self.dump(s), log, out["rc"])
 
     def close(self) -> None:
         for proc, _ in self.procs.values():

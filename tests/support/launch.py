@@ -230,9 +230,10 @@ def train_in_process(dump: Path, *args: str, monkeypatch, config: Path = DEBUG_C
     """``trainer.train.main`` in this process (world size 1, gloo); returns (exit code, console output)."""
     from trainer.train import main
 
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(free_port())}.items():
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
         monkeypatch.setenv(k, v)
+    # Not under torchrun: without LOCAL_RANK, main() leaves this process's parent-death signal alone.
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         try:

@@ -115,8 +115,10 @@ def test_run_lock_refuses_then_takes_over_stale(tmp_path):
 
 
 def test_signal_sets_flag_and_agreement_waits_for_check_step():
+    before = signal.getsignal(signal.SIGTERM)  # the test session's own handler (tests/conftest.py)
     handler = PreemptionHandler(check_steps=3)
     handler.install()
+    assert signal.getsignal(signal.SIGTERM) != before
     try:
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGTERM)  # a second one while stopping is ignored
@@ -124,7 +126,7 @@ def test_signal_sets_flag_and_agreement_waits_for_check_step():
         assert handler.agreed(4) == 0 and handler.agreed(6) == signal.SIGTERM
     finally:
         handler.restore()
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) == before  # the previous handler is back
 
 
 def test_skipped_documents_counted_by_kind_resumed_exactly_and_stop_names_file_and_line(tmp_path):
