@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.launch import FAST, read_metrics, train_in_process
+from tests.support.launch import DEBUG_CONFIG, FAST, read_metrics, train_in_process
 from trainer.checkpoint import MARKER, main as checkpoint_main, scan_folder, validate_checkpoint
 
 COMMON = [*FAST, "--lr_scheduler.decay_type", "constant", "--checkpoint.enable"]

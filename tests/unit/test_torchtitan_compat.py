@@ -7,7 +7,6 @@ import functools
 import json
 import math
 import typing
-from pathlib import Path
 
 import pytest
 import torch
