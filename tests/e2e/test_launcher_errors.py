@@ -122,3 +122,13 @@ def test_too_few_microbatches_is_a_clear_error(tmp_path):
                      "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", nproc=2, check=False)
     assert proc.returncode != 0
     assert "multiple of pipeline_parallel_degree (2)" in proc.stdout + proc.stderr
+
+
+def test_launcher_rejects_bad_keys_before_any_work():
+    for args in (["--training.no_such_key=1"], ["--training.stepz", "5"], ["--training.steps", "x"]):
+        proc = run([str(ROOT / "run_train.sh"), *args], cwd=ROOT, env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable},
+                   timeout=60)
+        assert proc.returncode == 2, proc.stderr
+        key = args[0].lstrip("-").split("=")[0]
+        assert key in proc.stderr and "config error" in proc.stderr
+        assert "Traceback" not in proc.stderr

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.launch import ROOT, free_port, kill_tree, read_metrics, start_train
+from tests.support.launch import ROOT, free_port, kill_tree, read_metrics, run as run_process, start_train
 
 TRAIN = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--training.global_batch_size", "8",
          "--training.steps", "4", "--debug.deterministic", "--metrics.log_freq", "1",
@@ -94,7 +94,7 @@ def dry(cmd: list[str], env: dict[str, str], tmp_path: Path, check: bool = True)
              and k not in ("NNODES", "NODE_RANK", "RDZV_ENDPOINT", "RDZV_ID", "RDZV_CONF", "MASTER_ADDR",
                            "MASTER_PORT", "LOCAL_ADDR", "MAX_RESTARTS", "NGPU", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")}
     full = {**clean, "RUN_TRAIN_DRY": "1", "PATH": f"{fake_bin(tmp_path)}:{os.environ['PATH']}", **env}
-    proc = subprocess.run(cmd, cwd=ROOT, env=full, capture_output=True, text=True, timeout=120)
+    proc = run_process(cmd, cwd=ROOT, env=full, timeout=120)
     if check:
         assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc

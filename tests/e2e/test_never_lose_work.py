@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.launch import alive, descendants, kill_tree, losses, read_metrics, run_train, start_train
+from tests.support.launch import alive, descendants, kill_tree, losses, read_metrics, run, run_train, start_train
 
 pytestmark = pytest.mark.slow
 
@@ -97,8 +97,7 @@ def test_bit_flip_in_newest_checkpoint(straight, tmp_path):
     shutil.copytree(straight, dump)
     victim = dump / "checkpoint" / "step-20" / "__1_0.distcp"
     flip_bit(victim)
-    verify = subprocess.run([sys.executable, "-m", "trainer.cli", "checkpoint", "verify", str(dump)],
-                            capture_output=True, text=True)
+    verify = run([sys.executable, "-m", "trainer.cli", "checkpoint", "verify", str(dump)], timeout=120)
     assert verify.returncode == 3 and "step-20: __1_0.distcp fails its" in verify.stdout, verify.stdout
     proc = train(dump, "--training.steps", str(STEPS), "--checkpoint.interval", "5")
     log = output(proc)

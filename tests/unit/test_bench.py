@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -11,16 +10,16 @@ import torch
 
 from trainer.tools import bench
 
-from tests.support.launch import ROOT
+from tests.support.launch import ROOT, run
 
 
 def test_bench_overhead_small_writes_ratio(tmp_path):
     out = tmp_path / "bench.json"
     # A fresh process: the suite initialises (and destroys) a process group of its own.
-    proc = subprocess.run(
+    proc = run(
         [sys.executable, "-m", "trainer.cli", "bench", "overhead", "--steps", "small", "--json", str(out),
          "--training.seq_len", "16", "--training.local_batch_size", "1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, timeout=300,
         env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -96,9 +95,8 @@ def test_gpu_case_process_runs_on_cpu():
 
 
 def test_gpu_suite_refuses_without_cuda_in_one_line():
-    proc = subprocess.run([sys.executable, "-m", "trainer.cli", "bench", "gpu", "--matrix", "hot_path"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120,
-                          env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
+    proc = run([sys.executable, "-m", "trainer.cli", "bench", "gpu", "--matrix", "hot_path"], cwd=ROOT, timeout=120,
+               env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().count("\n") == 0 and "no CUDA device" in proc.stderr
 

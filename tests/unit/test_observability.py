@@ -24,7 +24,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerAction, record_function
 
-from tests.support.launch import ROOT
+from tests.support.launch import ROOT, popen
 from trainer import logs, observability
 from trainer.config import ConfigError, load_config
 from trainer.metrics import MetricsWriter, console_line, use_color
@@ -191,9 +191,9 @@ def test_watchdog_fallbacks_work_while_the_gil_is_held_and_on_sigterm(tmp_path):
     (what torchrun sends to surviving ranks) writes the stacks before the process dies."""
     env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     start = time.monotonic()
-    gil = subprocess.Popen([sys.executable, "-c", FALLBACK_SCRIPT, str(tmp_path / "gil"), "gil"], env=env,
+    gil = popen([sys.executable, "-c", FALLBACK_SCRIPT, str(tmp_path / "gil"), "gil"], env=env,
                            stdout=subprocess.PIPE, text=True)
-    term = subprocess.Popen([sys.executable, "-c", FALLBACK_SCRIPT, str(tmp_path / "term"), "term"], env=env,
+    term = popen([sys.executable, "-c", FALLBACK_SCRIPT, str(tmp_path / "term"), "term"], env=env,
                             stdout=subprocess.PIPE, text=True)
     assert term.stdout.readline().strip() == "started"
     term.send_signal(signal.SIGTERM)
