@@ -1,9 +1,9 @@
 """Shared by every tier: no process a test starts outlives the session; the batched multi-process runs.
 
-tests/support/launch.py registers each process it starts; here they are killed, with all their
+tests/support/processes.py registers each process a test starts; here they are killed, with all their
 descendants, at the end of the session and when pytest itself is stopped by SIGTERM or SIGINT (the
 handlers run before the signal's usual effect). A SIGKILL of pytest is covered by PR_SET_PDEATHSIG,
-which launch.py sets on each child.
+which processes.py sets on each child.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import signal
 
 import pytest
 
-from tests.support import launch
+from tests.support import processes
 
 _previous: dict[int, object] = {}
 
 
 def _on_signal(signum, frame):
-    launch.kill_all()
+    processes.kill_all()
     previous = _previous.get(signum)
     if callable(previous):
         previous(signum, frame)  # SIGINT: KeyboardInterrupt, pytest's own reporting
@@ -37,7 +37,7 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
-    launch.kill_all()
+    processes.kill_all()
     for signum, previous in _previous.items():
         signal.signal(signum, previous)
     _previous.clear()

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.support.checkpoints import CKPT, COMMON, STEPS, STRAIGHT, assert_same, batch
-from tests.support.launch import kill_tree, read_metrics, run_train, start_train
+from tests.support.launch import read_metrics, run_train, start_train
+from tests.support.processes import kill_tree
 from trainer.checkpoint import scan_folder, validate_checkpoint
 
 pytestmark = pytest.mark.slow

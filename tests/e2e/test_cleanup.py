@@ -12,13 +12,15 @@ import textwrap
 
 import pytest
 
-from tests.support.launch import ROOT, alive, descendants, kill_tree, popen, wait_for
+from tests.support.launch import ROOT
+from tests.support.processes import alive, descendants, kill_tree, popen, wait_for
 
 INNER = textwrap.dedent('''
     import json
     from pathlib import Path
 
-    from tests.support.launch import start_train, wait_for
+    from tests.support.launch import start_train
+    from tests.support.processes import wait_for
 
 
     def test_long_run(tmp_path):

@@ -25,7 +25,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 pytest.importorskip("lm_eval")
 transformers = pytest.importorskip("transformers")
 
-from tests.support.launch import ROOT, popen, read_metrics, run_train  # noqa: E402
+from tests.support.launch import ROOT, read_metrics, run_train  # noqa: E402
+from tests.support.processes import popen  # noqa: E402
 from tests.support.models import fast_model  # noqa: E402
 from tokenizer._policy import files_rule, run_separator  # noqa: E402
 from torchtitan_ext.evaluation.callback import flatten_results  # noqa: E402

@@ -12,7 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.support.launch import ROOT, run, run_train
+from tests.support.launch import ROOT, run_train
+from tests.support.processes import run
 from tests.support.tokenizers import TORCHTITAN_ASSETS as ASSETS, make_tokenizer_folder
 
 SMALL = ["--training.steps", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",

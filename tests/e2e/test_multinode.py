@@ -28,7 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.launch import ROOT, free_port, kill_tree, read_metrics, run as run_process, start_train
+from tests.support.launch import ROOT, read_metrics, start_train
+from tests.support.processes import free_port, kill_tree, run as run_process
 
 TRAIN = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--training.global_batch_size", "8",
          "--training.steps", "4", "--debug.deterministic", "--metrics.log_freq", "1",

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.launch import alive, descendants, kill_tree, losses, read_metrics, run, run_train, start_train
+from tests.support.launch import losses, read_metrics, run_train, start_train
+from tests.support.processes import alive, descendants, kill_tree, run
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.support.launch import DEBUG_CONFIG, FAST, kill_tree, read_metrics, start_torchrun
+from tests.support.launch import DEBUG_CONFIG, FAST, read_metrics, start_torchrun
+from tests.support.processes import kill_tree
 
 
 @dataclass(frozen=True)

@@ -1,27 +1,20 @@
-"""Starting and stopping the processes of a test: the real launcher (``run_train.sh``), torchrun with a test
-worker, plain commands, and ``trainer.train.main`` in this process; reading what a run wrote.
-
-Every process started here is registered: :func:`kill_all` (called at the end of the session and from the
-SIGTERM/SIGINT handlers that tests/conftest.py installs) kills each one with every process below it. Each
-also gets ``PR_SET_PDEATHSIG`` (Linux): it is killed when the test process dies, even by SIGKILL. The
-launcher execs torchrun's agent, and the agent's workers die with the agent, so no run outlives pytest.
+"""Launching training runs from a test: the real launcher (``run_train.sh``), torchrun with the test worker
+(tests/distributed/worker.py), and ``trainer.train.main`` in this process; reading what a run wrote. The
+processes are started through tests/support/processes.py, so none outlives the test session.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import io
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
+
+from tests.support.processes import free_port, popen, run
 
 ROOT = Path(__file__).resolve().parents[2]
 DEBUG_CONFIG = ROOT / "train_configs" / "debug_model.toml"
@@ -29,140 +22,6 @@ DEBUG_CONFIG = ROOT / "train_configs" / "debug_model.toml"
 # Small and fast: the debug model at short sequences; overridden per test as needed.
 FAST = ["--training.seq_len", "64", "--training.local_batch_size", "4", "--metrics.log_freq", "1",
         "--lr_scheduler.warmup_steps", "2", "--metrics.enable_tensorboard", "false"]
-
-PR_SET_PDEATHSIG = 1
-
-# -------------------------------------------------------------------------------------------------
-# Process trees
-# -------------------------------------------------------------------------------------------------
-
-_started: dict[int, subprocess.Popen] = {}
-_lock = threading.Lock()
-
-
-def _die_with_test_process() -> None:
-    """preexec_fn: SIGKILL this child when the thread that started it (pytest's) dies."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
-
-
-def popen(cmd: list[str], **kwargs) -> subprocess.Popen:
-    """``subprocess.Popen`` in a session of its own, registered for :func:`kill_all` and killed when this
-    process dies. Start it from the main thread: the death signal follows the thread that started it."""
-    kwargs.setdefault("start_new_session", True)
-    proc = subprocess.Popen(cmd, preexec_fn=_die_with_test_process, **kwargs)
-    with _lock:
-        _started[proc.pid] = proc
-    return proc
-
-
-def run(cmd: list[str], *, timeout: float | None = None, input: str | None = None,
-        **kwargs) -> subprocess.CompletedProcess:
-    """``subprocess.run(cmd, capture_output=True, text=True)`` through :func:`popen`: on a timeout or an
-    interrupt the whole process tree is killed."""
-    kwargs.setdefault("stdout", subprocess.PIPE)
-    kwargs.setdefault("stderr", subprocess.PIPE)
-    kwargs.setdefault("text", True)
-    proc = popen(cmd, stdin=subprocess.PIPE if input is not None else None, **kwargs)
-    try:
-        out, err = proc.communicate(input, timeout=timeout)
-    except BaseException:
-        kill_tree(proc)
-        raise
-    finally:
-        forget(proc)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def forget(proc: subprocess.Popen) -> None:
-    """Unregister a process that has ended (or whose tree was killed)."""
-    with _lock:
-        _started.pop(proc.pid, None)
-
-
-def descendants(pid: int) -> list[int]:
-    """The processes below ``pid`` (children first), from /proc. torchrun starts its workers in sessions of
-    their own, so a process-group kill would miss them."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie is not)."""
-    try:
-        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        return state != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def kill_tree(proc: subprocess.Popen | int, sig: int = signal.SIGKILL) -> None:
-    """Send ``sig`` to a process and every process below it at once (kill -9 of a whole job by default:
-    a lost node, ``scancel -s KILL``). Collected first, so a dying parent cannot hide its children."""
-    pid = proc if isinstance(proc, int) else proc.pid
-    for p in [pid, *descendants(pid)]:
-        try:
-            os.kill(p, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-    if not isinstance(proc, int) and sig == signal.SIGKILL:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=30)
-        forget(proc)
-
-
-def kill_all() -> None:
-    """Kill every registered process tree still running (end of session, SIGTERM or SIGINT of pytest)."""
-    with _lock:
-        procs = list(_started.values())
-        _started.clear()
-    trees = [(p, [p.pid, *descendants(p.pid)]) for p in procs if p.poll() is None]
-    for _, pids in trees:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-    for p, _ in trees:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(timeout=10)
-
-
-def wait_for(predicate, what: str, timeout: float = 300, proc: subprocess.Popen | None = None,
-             log: Path | None = None, interval: float = 0.05):
-    """Poll ``predicate()`` until it returns something true; fail after ``timeout`` seconds or when ``proc``
-    ends first (with the tail of ``log``)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if proc is not None and proc.poll() is not None:
-            tail = log.read_text(errors="replace")[-4000:] if log is not None and log.exists() else ""
-            raise AssertionError(f"the process ended (exit {proc.returncode}) before {what}\n{tail}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 # -------------------------------------------------------------------------------------------------
 # The launcher: ./run_train.sh
@@ -189,7 +48,7 @@ def start_train(dump_folder: Path, *args: str, nproc: int = 1, config: Path = DE
                 env: dict[str, str] | None = None, log: Path | None = None, prefix: tuple[str, ...] = (),
                 fast: bool = True) -> subprocess.Popen:
     """Like :func:`run_train` but returns at once: the launcher runs in its own process group (``os.killpg``
-    signals the launcher as a scheduler would; :func:`kill_tree` also reaches the workers), output to ``log``
+    signals the launcher as a scheduler would; ``processes.kill_tree`` also reaches the workers), output to ``log``
     (default ``<dump_folder>.log``). ``prefix`` runs the launcher under another command, e.g.
     ``ip netns exec NS``."""
     log = Path(log) if log is not None else Path(f"{dump_folder}.log")

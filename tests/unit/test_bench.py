@@ -10,7 +10,8 @@ import torch
 
 from trainer.tools import bench
 
-from tests.support.launch import ROOT, run
+from tests.support.launch import ROOT
+from tests.support.processes import run
 
 
 def test_bench_overhead_small_writes_ratio(tmp_path):

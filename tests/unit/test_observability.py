@@ -24,7 +24,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerAction, record_function
 
-from tests.support.launch import ROOT, popen
+from tests.support.launch import ROOT
+from tests.support.processes import popen
 from trainer import logs, observability
 from trainer.config import ConfigError, load_config
 from trainer.metrics import MetricsWriter, console_line, use_color

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tests.support.launch import free_port, run
+from tests.support.processes import free_port, run
 
 
 def test_tp_must_divide_heads():
