@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.support.data import make_c4
+from tests.support.processes import free_port
 from tests.support.tokenizers import TORCHTITAN_ASSETS as ASSETS, make_tokenizer_folder
 
 
@@ -20,6 +21,10 @@ def test_debug_toml_trains_ten_steps_with_local_assets(tmp_path, monkeypatch):
     folder = make_tokenizer_folder(tmp_path / "tokenizer")
     c4 = make_c4(tmp_path / "c4")
     monkeypatch.chdir(tmp_path)
+    # World size 1 on a free port (the default, 29500, may be taken by another run on the machine).
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # one process, compute-bound: both of CI's cores
     try:
