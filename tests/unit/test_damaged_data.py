@@ -4,40 +4,19 @@ real ``trainer.train.main`` at world size 1, in this process."""
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import gzip
-import io
 import os
-import socket
 from pathlib import Path
 
-from tests.utils import DEBUG_CONFIG, FAST
+from tests.support.launch import train_in_process
 from trainer.data.cli import main as data_main
 
 SAMPLE = Path(__file__).resolve().parents[2] / "trainer" / "data" / "sample" / "shakespeare_train.jsonl"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def train(dump: Path, *args: str, monkeypatch) -> tuple[int, str]:
-    from trainer.train import main
-
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(_free_port())}.items():
-        monkeypatch.setenv(k, v)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        try:
-            rc = main(["--job.config_file", str(DEBUG_CONFIG), "--job.dump_folder", str(dump), *FAST,
-                       "--training.steps", "3", "--data.num_shards", "1", "--checkpoint.enable", "false", *args])
-        finally:
-            gc.enable()  # the training loop disables automatic GC
-    return rc, out.getvalue()
+    return train_in_process(dump, "--training.steps", "3", "--data.num_shards", "1", "--checkpoint.enable", "false",
+                            *args, monkeypatch=monkeypatch)
 
 
 def test_a_truncated_gzip_file(tmp_path, monkeypatch):

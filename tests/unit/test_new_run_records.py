@@ -4,35 +4,10 @@ run keeps appending to its own. The real ``trainer.train.main`` at world size 1,
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import io
 import json
-import socket
 from pathlib import Path
 
-from tests.utils import DEBUG_CONFIG, FAST
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def train(dump: Path, *args: str, monkeypatch) -> tuple[int, str]:
-    from trainer.train import main
-
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(_free_port())}.items():
-        monkeypatch.setenv(k, v)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        try:
-            rc = main(["--job.config_file", str(DEBUG_CONFIG), "--job.dump_folder", str(dump), *FAST, *args])
-        finally:
-            gc.enable()  # the training loop disables automatic GC
-    return rc, out.getvalue()
+from tests.support.launch import train_in_process
 
 
 def steps(path: Path) -> list[int]:
@@ -41,11 +16,11 @@ def steps(path: Path) -> list[int]:
 
 def test_a_new_run_moves_the_earlier_records_aside(tmp_path, monkeypatch):
     dump = tmp_path / "run"
-    rc, log = train(dump, "--training.steps", "4", "--checkpoint.enable", "false",
-                    "--metrics.enable_tensorboard", "true", monkeypatch=monkeypatch)
+    rc, log = train_in_process(dump, "--training.steps", "4", "--checkpoint.enable", "false",
+                               "--metrics.enable_tensorboard", "true", monkeypatch=monkeypatch)
     assert rc == 0, log[-3000:]
-    rc, log = train(dump, "--training.steps", "2", "--checkpoint.enable", "false",
-                    "--metrics.enable_tensorboard", "true", monkeypatch=monkeypatch)
+    rc, log = train_in_process(dump, "--training.steps", "2", "--checkpoint.enable", "false",
+                               "--metrics.enable_tensorboard", "true", monkeypatch=monkeypatch)
     assert rc == 0, log[-3000:]
     assert steps(dump / "metrics.jsonl") == [1, 2]  # this run's steps only
     (previous,) = (dump / "previous_runs").iterdir()
@@ -58,9 +33,9 @@ def test_a_new_run_moves_the_earlier_records_aside(tmp_path, monkeypatch):
 
 def test_a_resumed_run_keeps_its_records(tmp_path, monkeypatch):
     dump = tmp_path / "run"
-    rc, log = train(dump, "--training.steps", "2", "--checkpoint.enable", monkeypatch=monkeypatch)
+    rc, log = train_in_process(dump, "--training.steps", "2", "--checkpoint.enable", monkeypatch=monkeypatch)
     assert rc == 0, log[-3000:]
-    rc, log = train(dump, "--training.steps", "4", "--checkpoint.enable", monkeypatch=monkeypatch)
+    rc, log = train_in_process(dump, "--training.steps", "4", "--checkpoint.enable", monkeypatch=monkeypatch)
     assert rc == 0, log[-3000:]
     assert steps(dump / "metrics.jsonl") == [1, 2, 3, 4] and not (dump / "previous_runs").exists()
 
@@ -68,7 +43,7 @@ def test_a_resumed_run_keeps_its_records(tmp_path, monkeypatch):
 def test_the_first_step_is_always_logged(tmp_path, monkeypatch):
     """As torchtitan: step 1's line comes at once whatever metrics.log_freq is, then every log_freq steps and
     the last."""
-    rc, log = train(tmp_path / "run", "--training.steps", "7", "--metrics.log_freq", "3", "--checkpoint.enable",
-                    "false", monkeypatch=monkeypatch)
+    rc, log = train_in_process(tmp_path / "run", "--training.steps", "7", "--metrics.log_freq", "3",
+                               "--checkpoint.enable", "false", monkeypatch=monkeypatch)
     assert rc == 0, log[-3000:]
     assert steps(tmp_path / "run" / "metrics.jsonl") == [1, 3, 6, 7]

@@ -4,39 +4,17 @@ in this process)."""
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import io
 import json
 import shutil
-import socket
 from pathlib import Path
 
-from tests.utils import DEBUG_CONFIG, FAST
+from tests.support.launch import train_in_process
 
 MESSAGE = "the LR schedule was 4 steps long in the saved run and is 8 steps now"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def train(dump: Path, *args: str, monkeypatch) -> tuple[int, str]:
-    from trainer.train import main
-
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(_free_port())}.items():
-        monkeypatch.setenv(k, v)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        try:
-            rc = main(["--job.config_file", str(DEBUG_CONFIG), "--job.dump_folder", str(dump), *FAST,
-                       "--checkpoint.enable", *args])
-        finally:
-            gc.enable()  # the training loop disables automatic GC
-    return rc, out.getvalue()
+    return train_in_process(dump, "--checkpoint.enable", *args, monkeypatch=monkeypatch)
 
 
 def test_a_longer_schedule_on_resume_is_said_and_total_steps_keeps_the_saved_one(tmp_path, monkeypatch):

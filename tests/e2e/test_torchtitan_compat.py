@@ -1,0 +1,39 @@
+"""A torchtitan user's debug TOML trains unchanged, at its own shape, from a local tokenizer folder and a local
+C4 copy (the real trainer.train.main in this process, both cores)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from tests.support.data import make_c4
+from tests.support.processes import free_port
+from tests.support.tokenizers import TORCHTITAN_ASSETS as ASSETS, make_tokenizer_folder
+
+
+@pytest.mark.slow  # the TOML's own shape: 10 steps of 8 x 2048 tokens, a few CPU-minutes
+def test_debug_toml_trains_ten_steps_with_local_assets(tmp_path, monkeypatch):
+    from trainer.train import main
+
+    folder = make_tokenizer_folder(tmp_path / "tokenizer")
+    c4 = make_c4(tmp_path / "c4")
+    monkeypatch.chdir(tmp_path)
+    # World size 1 on a free port (the default, 29500, may be taken by another run on the machine).
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # one process, compute-bound: both of CI's cores
+    try:
+        rc = main(["--job.config_file", str(ASSETS / "debug_model.toml"), "--model.hf_assets_path", str(folder),
+                   "--training.dataset_path", str(c4)])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0
+    records = [json.loads(line) for line in (tmp_path / "outputs" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 11))
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]

@@ -1,0 +1,139 @@
+"""The shape of the tree: no import cycles, the core reaches extensions only through the registry, modules
+and functions of a readable size, and no config key that the code never reads."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.support.imports import (
+    PACKAGES,
+    REGISTRY,
+    ROOT,
+    find_cycle,
+    import_graph,
+    imported_names,
+    modules,
+    private_imports,
+    unresolved_imports,
+)
+
+MAX_MODULE_LINES = 700
+MAX_FUNCTION_LINES = 80
+LENGTH_REASON = "# long:"  # a function over the limit says why in a comment of this form near its top
+
+
+
+def test_find_cycle_sees_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycles():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+
+def test_private_imports_are_found(tmp_path):
+    files = {"a/__init__.py": "from a import _mine\n", "a/x.py": "from b.y import _hidden\nfrom a.z import _near\n",
+             "a/z.py": "", "b/__init__.py": "", "b/y.py": "from b._impl import f\n", "b/_impl.py": ""}
+    mods = {}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_text(text)
+        mods[rel.removesuffix(".py").replace("/", ".").removesuffix(".__init__")] = tmp_path / rel
+    assert private_imports(mods, packages=("a", "b")) == ["a.x imports b.y._hidden"]
+
+
+def test_no_private_name_imported_across_packages():
+    offenders = private_imports(modules())
+    assert not offenders, offenders
+
+
+
+def test_unresolved_imports_are_found(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "__init__.py").write_text("X = 1\n")
+    (tmp_path / "a" / "m.py").write_text("def f():\n    from a import X, Y\n    import a.gone\n")
+    mods = {"a": tmp_path / "a" / "__init__.py", "a.m": tmp_path / "a" / "m.py"}
+    assert unresolved_imports(mods, packages=("a",)) == ["a.m: a has no Y", "a.m: no module a.gone"]
+
+
+def test_every_import_of_our_modules_resolves():
+    missing = unresolved_imports(modules())
+    assert not missing, missing
+
+
+def test_core_reaches_extensions_only_through_the_registry():
+    offenders = []
+    for name, path in modules().items():
+        if not name.startswith("trainer") or name == REGISTRY:
+            continue
+        if any(d == "torchtitan_ext" or d.startswith("torchtitan_ext.") for d in imported_names(name, path)):
+            offenders.append(name)
+        elif "torchtitan_ext" in path.read_text():
+            offenders.append(f"{name} (names torchtitan_ext)")
+    assert not offenders, offenders
+
+
+def test_module_and_function_sizes():
+    too_long = []
+    for name, path in modules().items():
+        lines = path.read_text().splitlines()
+        if len(lines) > MAX_MODULE_LINES:
+            too_long.append(f"{name}: {len(lines)} lines")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                head = "\n".join(lines[node.lineno - 1: node.lineno + 8])
+                if length > MAX_FUNCTION_LINES and LENGTH_REASON not in head:
+                    too_long.append(f"{name}.{node.name}: {length} lines")
+    assert not too_long, too_long
+
+
+# Modules that declare, parse, document or validate config keys: a key read only here does nothing.
+# (trainer/models/config.py and trainer/parallel/config.py are not listed: besides the [model] and
+# parallelism sections they hold what the runtime builds from them, the model arguments and the layout.)
+CONFIG_MODULES = {"trainer/config/sections.py", "trainer/config/keys.py", "trainer/config/parse.py",
+                  "trainer/config/reference.py", "trainer/config/validate.py", "trainer/config/rules.py",
+                  "trainer/config/torchtitan.py", "trainer/data/config.py",
+                  "trainer/optim/config.py", "trainer/checkpoint/config.py",
+                  "trainer/observability/config.py", "torchtitan_ext/config.py", "torchtitan_ext/stability/config.py",
+                  "torchtitan_ext/evaluation/config.py"}
+# Read by the config machinery itself, by design.
+READ_BY_PARSER = {"job.config_file"}
+# torchtitan keys accepted only at their default: trainer/compat.py reads each one (by name, from its
+# table) and refuses any other value; tests/unit/test_torchtitan_compat.py sets each one and checks the refusal.
+from trainer.compat import REFUSED  # noqa: E402
+
+READ_BY_PARSER |= set(REFUSED)
+
+
+def attribute_reads(exclude: set[str]) -> set[str]:
+    names = set()
+    for path in modules().values():
+        if str(path.relative_to(ROOT)) in exclude:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute):
+                names.add(node.attr)
+            elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr")
+                  and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)):
+                names.add(node.args[1].value)
+    return names
+
+
+def unread_keys(keys, names: set[str]) -> list[str]:
+    return [k for k in keys if k not in READ_BY_PARSER and k.rsplit(".", 1)[1] not in names]
+
+
+def test_every_config_key_is_read_by_the_code():
+    """Each key's name is read as an attribute somewhere outside the config modules (a key nothing reads
+    is a promise the code does not keep)."""
+    from trainer.config import leaf_keys
+
+    names = attribute_reads(CONFIG_MODULES)
+    assert unread_keys(["compile.no_such_key_anywhere"], names) == ["compile.no_such_key_anywhere"]
+    assert unread_keys(leaf_keys(), names) == []
+

@@ -1,0 +1,235 @@
+"""Sources and documents: formats, bad data, the separator policy, the pre-tokenized path."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from trainer.config import ConfigError
+from trainer.data.loader import build_train_loader
+from trainer.data.sources import DataError
+from trainer.data.audit import audit
+from trainer.data.prepare import prepare
+from tests.support.data import ByteTokenizer, make_config, synthetic_texts, token_map, write_jsonl
+
+TOK = ByteTokenizer()
+
+
+def loader_for(source: str, *, tokenizer=TOK, **kw):
+    base = {"data.sources": [source], "training.seq_len": 16, "training.local_batch_size": 4,
+            "data.num_shards": 2, "data.shuffle_window": 4, "data.debug_doc_ids": True}
+    base.update(kw)
+    return build_train_loader(make_config(**base), tokenizer, dp_rank=0, dp_world_size=1)
+
+
+def one_epoch(loader, limit=2000):
+    """Batches until every shard has started its second epoch (so each document was used whole)."""
+    batches = []
+    while loader.stats["epoch"] < 1:
+        batches.append(next(loader))
+        assert len(batches) < limit, "the loader does not get through its data"
+    return batches
+
+
+def texts_seen(batches, tokenizer=TOK):
+    """The document texts reassembled from the packed tokens (separators removed)."""
+    out = set()
+    for doc in token_map(batches).values():
+        ids = [doc[p] for p in sorted(doc)]
+        assert sorted(doc) == list(range(len(ids))), "a document has holes"
+        out.add(tokenizer.decode([i for i in ids if i < 256]))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Formats
+# --------------------------------------------------------------------------------------------------
+
+
+def test_jsonl_text_and_globs(tmp_path):
+    texts = synthetic_texts(30, seed=3)
+    write_jsonl(tmp_path / "a.jsonl", texts[:15])
+    write_jsonl(tmp_path / "b.jsonl", texts[15:])
+    assert texts_seen(one_epoch(loader_for(f"{tmp_path}/*.jsonl"))) == set(texts)
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "x.txt").write_text("\n".join(texts[:10]) + "\n")
+    assert texts_seen(one_epoch(loader_for(f"text:{tmp_path}/t"))) == set(texts[:10])  # a folder
+    for i, t in enumerate(texts[:6]):
+        (tmp_path / "t" / f"doc{i}.txt").write_text(t + "\nsecond line")
+    files = loader_for(f"text:{tmp_path}/t/doc*.txt", **{"data.text_document": "file"})
+    assert texts_seen(one_epoch(files)) == {t + "\nsecond line" for t in texts[:6]}
+
+
+def test_parquet_and_arrow(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    texts = synthetic_texts(40, seed=4)
+    table = pa.table({"id": list(range(40)), "content": texts})
+    pq.write_table(table, tmp_path / "a.parquet", row_group_size=7)
+    with pa.OSFile(str(tmp_path / "file.arrow"), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+        w.write_table(table.slice(0, 20), max_chunksize=6)
+    with pa.OSFile(str(tmp_path / "stream.arrow"), "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+        w.write_table(table.slice(20), max_chunksize=6)
+    kw = {"data.text_field": "content"}
+    assert texts_seen(one_epoch(loader_for(f"{tmp_path}/a.parquet", **kw))) == set(texts)
+    assert texts_seen(one_epoch(loader_for(f"arrow:{tmp_path}/*.arrow", **kw))) == set(texts)
+    with pytest.raises(ConfigError, match="data.text_field"):
+        loader_for(f"{tmp_path}/a.parquet")
+
+
+def test_hf_datasets_local(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    texts = synthetic_texts(20, seed=5)
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "saved"))
+    assert texts_seen(one_epoch(loader_for(f"hf:{tmp_path}/saved"))) == set(texts)
+    # Exact resume also holds for the HF stream (coordinates count examples).
+    loader = loader_for(f"hf:{tmp_path}/saved")
+    [next(loader) for _ in range(3)]
+    state = loader.state_dict()
+    expected = [next(loader) for _ in range(3)]
+    again = loader_for(f"hf:{tmp_path}/saved")
+    again.load_state_dict(state)
+    for a, b in zip(expected, [next(again) for _ in range(3)]):
+        assert torch.equal(a["input"], b["input"])
+
+
+def test_missing_paths_are_one_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="no such file '.*nothere.jsonl'"):
+        loader_for(f"jsonl:{tmp_path}/nothere.jsonl")
+    with pytest.raises(ConfigError, match=r"no files match '.*\*.parquet'"):
+        loader_for(f"parquet:{tmp_path}/*.parquet")
+    with pytest.raises(ConfigError, match="training.dataset_path"):
+        build_train_loader(make_config(**{"training.dataset": "jsonl", "training.dataset_path": f"{tmp_path}/x.jsonl"}),
+                           TOK, dp_rank=0, dp_world_size=1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad data
+# --------------------------------------------------------------------------------------------------
+
+
+def write_bad_corpus(path, huge_len=400):
+    good = synthetic_texts(5, seed=6, min_len=20, max_len=40)
+    lines = [json.dumps({"text": t}).encode() for t in good[:3]]
+    lines += [
+        b'{"text": "unterminated',  # malformed
+        b'{"text": "caf\xe9 latin-1"}',  # not UTF-8: undecodable
+        b'{"text": ""}',  # empty
+        b"",  # blank line: empty
+        b'{"id": 3}',  # no text: malformed
+        b"[1, 2]",  # not an object: malformed
+        b'{"text": "\\ud800 lone surrogate"}',  # undecodable
+        json.dumps({"text": "H" * huge_len}).encode(),  # 400 tokens = 23 windows of 17
+    ]
+    lines += [json.dumps({"text": t}).encode() for t in good[3:]]
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return set(good) | {"H" * huge_len}
+
+
+def test_bad_documents_are_counted_and_skipped(tmp_path):
+    good = write_bad_corpus(tmp_path / "bad.jsonl")
+    # Unshuffled, so that the next epoch starts with good documents and the counts are of one pass.
+    kw = {"data.num_shards": 1, "data.shuffle": False}
+    loader = loader_for(f"jsonl:{tmp_path}/bad.jsonl", **kw, **{"data.long_document_windows": 10})
+    batches = one_epoch(loader)
+    assert texts_seen(batches) == good  # every good document whole, the huge one included
+    s = loader.stats
+    assert (s["skipped_malformed"], s["skipped_undecodable"], s["skipped_empty"]) == (3, 2, 2)
+    assert s["long_documents"] == 1
+    assert s["documents"] >= 6
+
+    cut = loader_for(f"jsonl:{tmp_path}/bad.jsonl", **kw, **{"data.max_document_tokens": 50})
+    one_epoch(cut)
+    assert cut.stats["truncated_documents"] == 1
+
+
+def test_unusable_data_raises_instead_of_stalling(tmp_path):
+    (tmp_path / "allbad.jsonl").write_bytes(b'{"text": ""}\nnot json\n')
+    with pytest.raises(DataError, match="no usable document"):
+        next(loader_for(f"jsonl:{tmp_path}/allbad.jsonl", **{"data.num_shards": 1}))
+    write_jsonl(tmp_path / "tiny.jsonl", ["one document"])
+    with pytest.raises(ConfigError, match="data.num_shards"):  # more shards than documents: at start-up
+        loader_for(f"jsonl:{tmp_path}/tiny.jsonl", **{"data.num_shards": 2})
+
+
+# --------------------------------------------------------------------------------------------------
+# Separators
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("separator", ["bos", "eos"])
+def test_one_separator_per_boundary_even_if_the_tokenizer_adds_them(tmp_path, separator):
+    write_jsonl(tmp_path / "c.jsonl", synthetic_texts(40, seed=7, max_len=50))
+    adding = ByteTokenizer(add_bos=True, add_eos=True)
+    kw = {"data.separator": separator}
+    sep, other = (256, 257) if separator == "bos" else (257, 256)
+    batches = one_epoch(loader_for(f"jsonl:{tmp_path}/c.jsonl", tokenizer=adding, **kw))
+    for b in batches:
+        tokens = torch.cat([b["input"], b["labels"][:, -1:]], 1)
+        pos, docs = b["doc_positions"], b["doc_ids"]
+        assert not (tokens == other).any()
+        is_sep = tokens == sep
+        assert not (is_sep[:, 1:] & is_sep[:, :-1]).any()
+        if separator == "bos":
+            assert torch.equal(is_sep, pos == 0)  # exactly the document starts
+        else:
+            ends = torch.zeros_like(is_sep)
+            ends[:, :-1] = docs[:, 1:] != docs[:, :-1]
+            assert (is_sep[:, :-1] == ends[:, :-1]).all()  # exactly the last token before each boundary
+
+    c = make_config(**{"data.sources": [f"jsonl:{tmp_path}/c.jsonl"], "training.seq_len": 16, "data.num_shards": 2, **kw})
+    report = audit(c, adding)
+    assert report["doubled_separators"] == 0 and report["missing_separators"] == 0
+    assert report["separators_per_boundary"] == 1.0
+    assert report["stripped_separators"] == 2 * report["documents"] == 80
+
+
+def test_audit_detects_doubled_separators(tmp_path, monkeypatch):
+    """The audit is not blind: without the removal of tokenizer-added separators it reports doubles."""
+    import dataclasses
+
+    import trainer.data.audit as audit_module
+
+    write_jsonl(tmp_path / "c.jsonl", synthetic_texts(10, seed=8))
+    real = audit_module.build_plan
+    monkeypatch.setattr(audit_module, "build_plan", lambda *a, **k: dataclasses.replace(real(*a, **k), strip_ids=()))
+    c = make_config(**{"data.sources": [f"jsonl:{tmp_path}/c.jsonl"], "training.seq_len": 16, "data.num_shards": 1})
+    report = audit_module.audit(c, ByteTokenizer(add_bos=True, add_eos=False))
+    assert report["doubled_separators"] == report["boundaries"] + 1 > 0  # BOS BOS at every document start
+
+
+# --------------------------------------------------------------------------------------------------
+# Pre-tokenized
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_prepared_tokens_give_the_same_sequences(tmp_path, workers):
+    write_bad_corpus(tmp_path / "c.jsonl", huge_len=100)
+    with open(tmp_path / "c.jsonl", "a") as f:
+        for t in synthetic_texts(60, seed=9):
+            f.write(json.dumps({"text": t}) + "\n")
+    adding = ByteTokenizer(add_eos=True)
+    meta = prepare(f"jsonl:{tmp_path}/c.jsonl", tmp_path / "tok", adding, workers=workers, progress=False,
+                   piece_bytes=700)  # several pieces, tokenized in parallel
+    assert meta["dtype"] == "uint16" and meta["stats"]["skipped_malformed"] == 3
+    kw = {"data.num_shards": 4, "data.shuffle_window": 5, "data.num_workers": 0}
+    text_loader = loader_for(f"jsonl:{tmp_path}/c.jsonl", tokenizer=adding, **kw)
+    token_loader = loader_for(f"tokens:{tmp_path}/tok", tokenizer=adding, **kw)
+    for _ in range(120):  # past an epoch: shuffled blocks, file parts and doc ids all agree
+        a, b = next(text_loader), next(token_loader)
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+    sa, sb = text_loader.stats, token_loader.stats
+    assert sa["epoch"] >= 1
+    for k in ("documents", "tokens", "skipped_malformed", "skipped_undecodable", "skipped_empty", "stripped_separators"):
+        assert sa[k] == sb[k], k
+
+    with pytest.raises(ConfigError, match="another tokenizer"):
+        loader_for(f"tokens:{tmp_path}/tok", tokenizer=TOK)
+    with pytest.raises(ConfigError, match="already holds"):
+        prepare(f"jsonl:{tmp_path}/c.jsonl", tmp_path / "tok", adding, workers=1, progress=False)

@@ -1,0 +1,117 @@
+"""trainer eval: the native lm-eval model ('trainer') against lm-eval's HF backend on the export of the same
+checkpoint, on the local tasks in tests/assets/lm_eval_tasks (offline)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+pytest.importorskip("lm_eval")
+pytest.importorskip("transformers")
+
+from torchtitan_ext.hf import main as export_main  # noqa: E402
+from torchtitan_ext.lm_eval_model import NativeLM, main as eval_main  # noqa: E402
+from torchtitan_ext.native import save_native_checkpoint  # noqa: E402
+from trainer.config import load_config  # noqa: E402
+from trainer.models.llama.model import Transformer  # noqa: E402
+from trainer.models.config import resolve_model_args  # noqa: E402
+from trainer.data.tokenizer import load_tokenizer  # noqa: E402
+from tests.support.models import fast_model
+
+TASKS_DIR = Path(__file__).resolve().parents[1] / "assets" / "lm_eval_tasks"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A debugmodel checkpoint (random weights, seeded) and its fp32 export."""
+    tmp = tmp_path_factory.mktemp("eval")
+    config = load_config(["--model.flavor", "debugmodel", "--training.seq_len", "64"], env={})
+    tok = load_tokenizer(config)
+    model = fast_model(resolve_model_args(config, tok.vocab_size))
+    dump = tmp / "run"
+    save_native_checkpoint(model.state_dict(), dump, step=5, config=config)
+    assert export_main(["--checkpoint", str(dump), "--output", str(tmp / "hf"), "--dtype", "fp32"]) == 0
+    return {"dump": dump, "hf": tmp / "hf", "tmp": tmp, "model": model, "tok": tok}
+
+
+def _metrics(path: Path) -> dict[str, float]:
+    results = json.loads(path.read_text())["results"]
+    return {f"{task}/{name}": value for task, metrics in results.items() for name, value in metrics.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and "stderr" not in name}
+
+
+def test_eval_native_checkpoint_equals_hf_export(run, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # relative data_files resolve against --include_path, not the cwd
+    common = ["--tasks", "tiny_mc,tiny_ppl,tiny_gen", "--include_path", str(TASKS_DIR), "--limit", "6",
+              "--batch_size", "4", "--log_samples"]
+    assert eval_main(["--checkpoint", str(run["dump"]), *common, "--output_path", "native.json"]) == 0
+    assert eval_main(["--hf", str(run["hf"]), *common, "--output_path", "hf.json"]) == 0
+    native, hf = _metrics(tmp_path / "native.json"), _metrics(tmp_path / "hf.json")
+    for key in ("tiny_mc/acc,none", "tiny_mc/acc_norm,none", "tiny_ppl/bits_per_byte,none",
+                "tiny_ppl/word_perplexity,none", "tiny_gen/exact_match,none"):
+        assert key in native and key in hf, (key, native)
+    assert native.keys() == hf.keys()
+    for key, value in native.items():
+        tol = 1e-4 * max(1.0, abs(value)) if "perplexity" in key else 1e-4
+        assert abs(value - hf[key]) <= tol, (key, value, hf[key])
+    # Per-example scores and generations agree too.
+    a = json.loads((tmp_path / "native.json").read_text())["samples"]
+    b = json.loads((tmp_path / "hf.json").read_text())["samples"]
+    assert [s["filtered_resps"] for s in a["tiny_gen"]] == [s["filtered_resps"] for s in b["tiny_gen"]]
+    for sa, sb in zip(a["tiny_mc"], b["tiny_mc"]):
+        for ra, rb in zip(sa["resps"], sb["resps"]):
+            assert abs(ra[0][0] - rb[0][0]) <= 1e-4
+    assert json.loads((tmp_path / "native.json").read_text())["config"]["model_source"].startswith("checkpoint:")
+
+
+class _Req:
+    def __init__(self, *args):
+        self.args = args
+
+
+def test_native_lm_scores_match_direct_computation(run):
+    from lm_eval.api.registry import get_model
+
+    assert get_model("trainer") is NativeLM  # lm_eval.simple_evaluate(model="trainer", model_args=...)
+    lm = get_model("trainer").create_from_arg_string(f"checkpoint={run['dump']},batch_size=3",
+                                                     {"batch_size": None, "device": None})
+    # Requests start with BOS, as every training document did (data.separator auto: bos).
+    assert lm.batch_size == 3 and lm.max_length == 2048 and lm.add_bos_token is True
+    tok, model = run["tok"], run["model"]
+    context, continuation = "To be, or not to be:", " that is the question"
+    [(logprob, greedy)] = lm.loglikelihood([_Req(context, continuation)], disable_tqdm=True)
+    ctx, whole = tok.encode(context, bos=True), tok.encode(context + continuation, bos=True)
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([whole[:-1]])).float(), -1)[0]
+    expected = sum(lp[i - 1, whole[i]].item() for i in range(len(ctx), len(whole)))
+    assert abs(logprob - expected) < 1e-4 and greedy is False
+    # Rolling loglikelihood of a short text = sum of all token log-probs after the prefix (BOS) token.
+    text = "Shall I compare thee to a summer's day?"
+    [rolling] = lm.loglikelihood_rolling([_Req(text)], disable_tqdm=True)
+    ids = [tok.bos_id] + tok.encode(text, bos=True)
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([ids[:-1]])).float(), -1)[0]
+    assert abs(rolling - sum(lp[i - 1, ids[i]].item() for i in range(1, len(ids)))) < 1e-3
+    # Batching and ordering do not change scores.
+    reqs = [_Req("a b c", " d"), _Req("First Citizen:", " Before we proceed"), _Req("x", " y z w")]
+    batched = lm.loglikelihood(reqs, disable_tqdm=True)
+    single = [lm.loglikelihood([r], disable_tqdm=True)[0] for r in reqs]
+    assert all(abs(x[0] - y[0]) < 1e-5 for x, y in zip(batched, single))
+    # generate_until stops at the stop string and respects max_gen_toks.
+    outs = lm.generate_until([_Req("Hello", {"until": ["e"], "max_gen_toks": 5}),
+                              _Req("First Citizen:", {"until": ["\n\n"], "max_gen_toks": 3})], disable_tqdm=True)
+    assert "e" not in outs[0] and len(tok.encode(outs[1])) <= 4
+
+
+def test_eval_errors_are_reported(run, capsys, tmp_path):
+    assert eval_main(["--checkpoint", str(tmp_path / "missing"), "--tasks", "tiny_mc",
+                      "--include_path", str(TASKS_DIR)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert eval_main(["--hf", str(tmp_path), "--tasks", "tiny_mc", "--include_path", str(TASKS_DIR)]) == 2
+    assert "config.json" in capsys.readouterr().err

@@ -1,0 +1,119 @@
+"""trainer simulate: one rank of a big layout built by the trainer's own code over a fake process group and
+fake tensors, stepped once, and checked against the formulas: parameter shards exactly as the layout
+divides them, FSDP and TP collective bytes of one step, FLOPs, and trainer plan's memory estimate."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.config import load_config
+from trainer.tools.simulate.cli import collective_rows, main, memory_rows, simulate
+
+from tests.support.launch import ROOT
+
+LLAMA3_8B = ROOT / "train_configs" / "llama3_8b.toml"
+GiB = 2**30
+
+
+def _config(*overrides: str):
+    return load_config(["--job.config_file", str(LLAMA3_8B), *overrides], env={})
+
+
+def _collectives(row: dict) -> dict[tuple[str, str], dict]:
+    return {(c["kind"], c["group"]): c for c in collective_rows(row)}
+
+
+def _check_memory_and_flops(row: dict) -> None:
+    # Parameter shards: every parameter's TP-local shape split over the FSDP shards, to the byte; fp32
+    # gradients the same size, AdamW state twice that plus fused AdamW's float32 step count per parameter.
+    mem, a = row["memory"], row["analytic"]
+    assert mem["after_step"]["params"] == a["param_bytes"]
+    assert mem["after_backward"]["grads"] == a["param_bytes"]
+    assert mem["after_step"]["optimizer"] == 2 * a["param_bytes"] + 4 * a["param_tensors"]
+    # FLOPs: the rank's share of the model's FLOPs plus what recomputation repeats.
+    sim_flops = sum(row["flops"].values())
+    assert sim_flops == pytest.approx(a["flops"]["total"], rel=0.01)
+    # trainer plan's memory estimate for the same layout is within 10 % of the simulated peak.
+    peak = {term: (sim, plan) for term, sim, plan in memory_rows(row)}["peak total"]
+    assert peak[1] == pytest.approx(peak[0], rel=0.10), peak
+
+
+def test_8b_shape_on_64_ranks_hsdp_fsdp_tp():
+    """Llama 3 8B's width (2 of its 32 blocks) on 64 ranks: 2 replicas x FSDP 8 x TP 4. Ranks 0 and 63 (the
+    last shard of every dimension) see the same numbers."""
+    config = _config("--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree",
+                     "8", "--parallelism.tensor_parallel_degree", "4", "--training.global_batch_size", "32",
+                     "--activation_checkpoint.mode", "full")
+    report = simulate(config, 64, layers=2, ranks=[0, 63])
+    assert report["layout"] == "world 64: pp=1, dp_replicate=2, dp_shard=8, tp=4"
+    assert report["accum_steps"] == 2
+    first, last = report["roles"]
+    assert last["coordinate"] == {"pp": 0, "dp_replicate": 1, "dp_shard": 7, "tp": 3}
+    for row in (first, last):
+        _check_memory_and_flops(row)
+        comm = _collectives(row)
+        # One micro-batch of FSDP: every unit all-gathered in bf16 (forward, and again in backward unless
+        # kept), its gradient reduce-scattered in fp32 and all-reduced across the 2 replicas.
+        for key in [("all_gather", "dp_shard"), ("reduce_scatter", "dp_shard"), ("all_reduce", "dp_replicate"),
+                    ("all_gather", "tp"), ("reduce_scatter", "tp")]:
+            assert comm[key]["bytes"] == pytest.approx(comm[key]["analytic_bytes"], rel=0.01), key
+        assert comm[("all_reduce", "dp_replicate")]["group_size"] == 2
+        assert comm[("all_gather", "dp_shard")]["group_size"] == 8
+    for key in ("memory", "flops", "collectives"):
+        assert first[key] == last[key]
+
+
+def test_pipeline_fsdp_tp_stages():
+    """A smaller shape (4 blocks of the 8B width) on 8 ranks: 2 pipeline stages x FSDP 2 x TP 2, 1F1B over
+    2 micro-batches. Each stage holds its own share of the parameters, to the byte."""
+    config = _config("--parallelism.data_parallel_replicate_degree", "1", "--parallelism.data_parallel_shard_degree",
+                     "2", "--parallelism.tensor_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2",
+                     "--training.local_batch_size", "2", "--training.global_batch_size", "4",
+                     "--training.seq_len", "2048")
+    report = simulate(config, 8, layers=4)
+    assert report["schedule"] == "1F1B" and report["microbatches"] == 2
+    first, last = report["roles"]
+    assert (first["role"], first["stage_ids"], last["role"], last["stage_ids"]) == \
+        ("first stage", [0], "last stage", [1])
+    assert first["analytic"]["stage"] == {"layers": 2, "first": True, "last": False}
+    for row in (first, last):
+        _check_memory_and_flops(row)
+        comm = _collectives(row)
+        for key in [("all_gather", "tp"), ("reduce_scatter", "tp"), ("send", "pp"), ("recv", "pp")]:
+            assert comm[key]["bytes"] == pytest.approx(comm[key]["analytic_bytes"], rel=0.01), key
+        assert comm[("reduce_scatter", "dp_shard")]["count"] > 0
+    # The first stage holds the embedding, the last the output layer (as large) and the final norm, whose
+    # fp32 weight is split over the 2 FSDP shards.
+    assert last["analytic"]["param_bytes"] - first["analytic"]["param_bytes"] == 4 * 4096 // 2
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--parallelism.tensor_parallel_degree", "3", "--parallelism.data_parallel_shard_degree", "2"],
+     "must divide the number of attention heads"),
+    (["--parallelism.pipeline_parallel_degree", "8", "--parallelism.data_parallel_shard_degree", "1"],
+     "every stage needs a layer"),
+    (["--parallelism.data_parallel_shard_degree", "8", "--training.global_batch_size", "100"],
+     "must be a multiple of"),
+])
+def test_layouts_out_of_reach_refuse_in_one_line(overrides, message, capsys):
+    ngpu = {"3": "6", "8": "8"}.get(overrides[1], "8")
+    code = main(["--config", str(LLAMA3_8B), "--ngpu", ngpu, "--layers", "4", "--quiet",
+                 "--parallelism.data_parallel_replicate_degree", "1", *overrides])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_cli_entry_and_progress(capfd):
+    """``trainer simulate`` is a registered command; its report has the tables and a bar per role."""
+    from trainer.cli import main as trainer_main
+
+    code = trainer_main(["simulate", "--config", str(LLAMA3_8B), "--ngpu", "8", "--layers", "1",
+                         "--parallelism.data_parallel_replicate_degree", "1",
+                         "--parallelism.data_parallel_shard_degree", "8", "--training.global_batch_size", "-1",
+                         "--training.seq_len", "1024"])
+    captured = capfd.readouterr()  # the role runs in a child process: its bar goes to file descriptor 2
+    assert code == 0
+    assert "memory per GPU (GiB)" in captured.out and "reduce_scatter  dp_shard" in captured.out
+    assert "parameter shards" in captured.out and ": equal" in captured.out
+    assert "all ranks" in captured.err and "blocks" in captured.err
