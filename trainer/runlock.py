@@ -105,7 +105,7 @@ class RunLock:
         """Take the lock (or a stale one) and start the heartbeat, or join the lock of this job's first node;
         raises :class:`RunLockedError`."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        for _ in range(50):
+        for _ in range(100):  # a few take-overs, or up to 5 s of waiting for a lock being written
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:

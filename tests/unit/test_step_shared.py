@@ -3,7 +3,7 @@
 A copy would let the simulator measure a step that no longer trains, so: neither trainer/train.py nor the
 simulate package defines a loss, a forward/backward, a gradient clip or a model-part builder of its own, or
 computes one inline (cross-entropy, total norm, parallelize, to_empty); both reach the shared functions; and
-one simulated step (a small world, in a forked child: a fake world leaves caches behind) really goes through
+one simulated step (a small world, in a child process: a fake world leaves caches behind) really goes through
 them.
 """
 
@@ -123,8 +123,9 @@ def _simulate_counting(overrides: list[str], world_size: int) -> dict[str, int]:
 
 
 def _in_child(overrides: list[str], world_size: int) -> dict[str, int]:
-    methods = multiprocessing.get_all_start_methods()
-    context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    # spawn, not fork: by now the test process has threads (loaders, writers) that a forked child would copy
+    # mid-operation (it crashed the child under load).
+    context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
         return pool.submit(_simulate_counting, overrides, world_size).result()
 
