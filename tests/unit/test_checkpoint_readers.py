@@ -1,0 +1,132 @@
+"""Everything that reads a checkpoint checks it first, and refuses what does not fit, in one line with the
+documented exit code: the tools (``trainer export/generate/eval``, ``trainer checkpoint list``), a resume
+into a model of another shape, and retention across launches of one run. The real ``trainer.train.main``
+runs in the test process (world size 1), a second or two per run."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import io
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+
+from tests.utils import DEBUG_CONFIG, FAST
+from trainer.checkpoint.layout import scan_folder
+
+COMMON = [*FAST, "--lr_scheduler.decay_type", "constant", "--checkpoint.enable"]
+TASKS_DIR = Path(__file__).resolve().parent.parent / "assets" / "lm_eval_tasks"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train(dump: Path, *args: str, monkeypatch) -> tuple[int, str]:
+    """``trainer.train.main`` in this process; returns (exit code, console output)."""
+    from trainer.train import main
+
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(_free_port())}.items():
+        monkeypatch.setenv(k, v)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            rc = main(["--job.config_file", str(DEBUG_CONFIG), "--job.dump_folder", str(dump), *COMMON, *args])
+        finally:
+            gc.enable()  # the training loop disables automatic GC
+    return rc, out.getvalue()
+
+
+def flip_byte(path: Path, offset: int = 100) -> None:
+    """Change one byte in place (same size: only a checksum can tell)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+@pytest.fixture(scope="module")
+def mp():
+    with pytest.MonkeyPatch.context() as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, mp):
+    """4 steps, a full checkpoint at steps 2 and 4 and the final model-only export final-step-4."""
+    dump = tmp_path_factory.mktemp("readers") / "run"
+    rc, log = train(dump, "--training.steps", "4", "--checkpoint.interval", "2", monkeypatch=mp)
+    assert rc == 0, log
+    assert [c.path.name for c in scan_folder(dump / "checkpoint")] == ["step-2", "step-4", "final-step-4"]
+    return dump
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def one_line(err: str, *needles: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# The tools verify what they read
+# --------------------------------------------------------------------------------------------------
+
+
+def test_tools_refuse_a_bit_flipped_checkpoint(run, tmp_path, capsys):
+    from torchtitan_ext.generate import main as generate_main
+    from torchtitan_ext.hf import main as export_main
+
+    dump = copy_run(run, tmp_path / "run")
+    step4 = dump / "checkpoint" / "step-4"
+    flip_byte(step4 / "__0_0.distcp")
+    capsys.readouterr()
+    out = tmp_path / "hf"
+    assert export_main(["--checkpoint", str(step4), "--output", str(out)]) == 3
+    one_line(capsys.readouterr().err, "trainer export:", "step-4 is CORRUPT", "__0_0.distcp", "checksum")
+    assert not out.exists()
+    samples = tmp_path / "samples.json"
+    assert generate_main(["--checkpoint", str(dump), "--step", "4", "--prompt", "a", "--max_new_tokens", "2",
+                          "--output_json", str(samples)]) == 3
+    one_line(capsys.readouterr().err, "trainer generate:", "step-4 is CORRUPT")
+    assert not samples.exists()
+    # The newest intact one is taken when none is named, as a resuming run does; when every one is
+    # damaged, nothing is written.
+    assert export_main(["--checkpoint", str(dump), "--output", str(out), "--dtype", "fp32"]) == 0
+    capsys.readouterr()
+    for name in ("step-2", "final-step-4"):
+        flip_byte(dump / "checkpoint" / name / "__0_0.distcp")
+    out2 = tmp_path / "hf2"
+    assert export_main(["--checkpoint", str(dump), "--output", str(out2)]) == 3
+    line = one_line(capsys.readouterr().err, "passes its checksums")
+    assert all(n in line for n in ("step-2", "step-4", "final-step-4")), line
+    assert not out2.exists()
+
+
+def test_eval_refuses_a_bit_flipped_checkpoint(run, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("lm_eval")
+    from torchtitan_ext.evaluation.cli import main as eval_main
+
+    monkeypatch.chdir(tmp_path)
+    dump = copy_run(run, tmp_path / "run")
+    step4 = dump / "checkpoint" / "step-4"
+    flip_byte(step4 / "__0_0.distcp")
+    capsys.readouterr()
+    assert eval_main(["--checkpoint", str(step4), "--tasks", "tiny_mc", "--include_path", str(TASKS_DIR),
+                      "--limit", "2", "--output_path", "out.json"]) == 3
+    one_line(capsys.readouterr().err, "trainer eval:", "step-4 is CORRUPT")
+    assert not list(tmp_path.glob("out*"))
