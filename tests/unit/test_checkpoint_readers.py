@@ -130,3 +130,35 @@ def test_eval_refuses_a_bit_flipped_checkpoint(run, tmp_path, capsys, monkeypatc
                       "--limit", "2", "--output_path", "out.json"]) == 3
     one_line(capsys.readouterr().err, "trainer eval:", "step-4 is CORRUPT")
     assert not list(tmp_path.glob("out*"))
+
+
+# --------------------------------------------------------------------------------------------------
+# `trainer checkpoint list` claims only what a run does
+# --------------------------------------------------------------------------------------------------
+
+
+def test_list_claims_the_checkpoint_a_run_resumes_from(run, tmp_path, capsys, mp):
+    from trainer.checkpoint.cli import main as checkpoint_main
+
+    dump = copy_run(run, tmp_path / "run")
+    capsys.readouterr()
+    assert checkpoint_main(["list", str(dump)]) == 0
+    assert "resumes from step 4 (checksums verified)" in capsys.readouterr().out
+    flip_byte(dump / "checkpoint" / "step-4" / "__0_0.distcp")
+    assert checkpoint_main(["list", str(dump)]) == 0
+    out = capsys.readouterr().out
+    assert "resumes from step 2 (checksums verified)" in out, out
+    assert "step-4: __0_0.distcp fails its" in out and "resumes from step 4" not in out
+    assert checkpoint_main(["list", str(dump), "--json"]) == 0
+    import json
+
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["checkpoints"]}
+    assert rows["step-4"]["status"] == "corrupt" and rows["step-2"].get("verified") is True
+    # Without reading checksums it claims no more than the markers show.
+    assert checkpoint_main(["list", str(dump), "--no-verify"]) == 0
+    out = capsys.readouterr().out
+    assert "newest committed checkpoint: step 4" in out and "trainer checkpoint verify" in out
+    assert "resumes from" not in out
+    # And a run does resume from step 2.
+    rc, log = train(dump, "--training.steps", "4", "--checkpoint.interval", "2", monkeypatch=mp)
+    assert rc == 0 and "step-2 loaded" in log, log
