@@ -162,3 +162,55 @@ def test_list_claims_the_checkpoint_a_run_resumes_from(run, tmp_path, capsys, mp
     # And a run does resume from step 2.
     rc, log = train(dump, "--training.steps", "4", "--checkpoint.interval", "2", monkeypatch=mp)
     assert rc == 0 and "step-2 loaded" in log, log
+
+
+# --------------------------------------------------------------------------------------------------
+# Retention counts the run's checkpoints, whichever launch wrote them
+# --------------------------------------------------------------------------------------------------
+
+
+def _names(dump: Path) -> list[str]:
+    return [c.path.name for c in scan_folder(dump / "checkpoint")]
+
+
+def test_keep_latest_k_counts_every_launch_of_the_run(tmp_path, mp):
+    """A preemptible job: each launch continues the run a step or two. keep_latest_k holds for the folder,
+    not for each launch (before, a launch that committed fewer than k-1 checkpoints deleted nothing)."""
+    dump = tmp_path / "run"
+    keep = ["--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "3"]
+    rc, log = train(dump, "--training.steps", "2", *keep, monkeypatch=mp)
+    assert rc == 0, log
+    assert _names(dump) == ["step-1", "step-2", "final-step-2"]
+    for steps in (3, 4, 5):
+        rc, log = train(dump, "--training.steps", str(steps), *keep, monkeypatch=mp)
+        assert rc == 0 and f"step-{steps - 1} loaded" in log, log
+    # The newest 3 full checkpoints, and every launch's final export (retention never deletes those).
+    assert _names(dump) == ["final-step-2", "step-3", "final-step-3", "step-4", "final-step-4", "step-5",
+                            "final-step-5"]
+
+
+def test_keep_latest_k_two_over_three_launches(tmp_path, mp):
+    dump = tmp_path / "run"
+    keep = ["--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "2", "--checkpoint.last_save_model_only",
+            "false"]
+    for steps in (2, 4, 6):
+        rc, log = train(dump, "--training.steps", str(steps), *keep, monkeypatch=mp)
+        assert rc == 0, log
+    assert _names(dump) == ["step-5", "step-6"]
+
+
+def test_retention_keeps_damaged_and_resumed_checkpoints(tmp_path, mp):
+    """A bit-flipped newest checkpoint is skipped on resume and not deleted (it may hold intact weights);
+    the one resumed from stays until this launch has committed newer ones."""
+    dump = tmp_path / "run"
+    keep = ["--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "1", "--checkpoint.last_save_model_only",
+            "false"]
+    rc, log = train(dump, "--training.steps", "4", "--checkpoint.keep_latest_k", "0", "--checkpoint.interval", "2",
+                    "--checkpoint.last_save_model_only", "false", monkeypatch=mp)
+    assert rc == 0 and _names(dump) == ["step-2", "step-4"], log
+    flip_byte(dump / "checkpoint" / "step-4" / "__0_0.distcp")
+    # Resumes from step-2, saves step-3 (the last step; step-4 is after it): step-2 is deleted, the
+    # damaged step-4 stays.
+    rc, log = train(dump, "--training.steps", "3", *keep, monkeypatch=mp)
+    assert rc == 0 and "step-2 loaded" in log, log
+    assert _names(dump) == ["step-3", "step-4"]

@@ -71,6 +71,7 @@ class Loader:
         self.comm = comm
         self.training_steps = training_steps
         self.loaded_step: int | None = None
+        self.failed_steps: set[int] = set()  # checkpoints of the folder that failed verification or loading
         self._touched = False  # a failed load may have written into the model (DCP reads in place)
 
     def load(self, resume: bool) -> None:
@@ -188,6 +189,8 @@ class Loader:
                 self._report_load(c.path, c.marker, report)
                 return
             msg = " | ".join(reasons)
+            if not c.final:
+                self.failed_steps.add(c.step)
             errors.append(f"{c.path.name}: {msg}")
             if self.comm.rank == 0:
                 logger.error("checkpoint %s could not be loaded (%s)%s", c.path.name, msg,
