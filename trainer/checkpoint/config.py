@@ -27,7 +27,7 @@ class Checkpoint:
     interval: int = 500
     """Save every this many steps (and at the last step)."""
     keep_latest_k: int = 10
-    """Keep this many newest checkpoints and delete older ones; 0 keeps all."""
+    """Keep this many newest full checkpoints of the run (over all its launches) and delete older ones; 0 keeps all."""
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
     """Save in the background: async copies state to CPU then writes in another thread; with pinned
     memory the copy uses reusable pinned buffers."""
