@@ -214,3 +214,60 @@ def test_retention_keeps_damaged_and_resumed_checkpoints(tmp_path, mp):
     rc, log = train(dump, "--training.steps", "3", *keep, monkeypatch=mp)
     assert rc == 0 and "step-2 loaded" in log, log
     assert _names(dump) == ["step-3", "step-4"]
+
+
+# --------------------------------------------------------------------------------------------------
+# A checkpoint of another model shape is refused, not half-loaded
+# --------------------------------------------------------------------------------------------------
+
+
+def _error_lines(log: str) -> list[str]:
+    return [line for line in log.splitlines() if "checkpoint error" in line]
+
+
+@pytest.mark.parametrize("layers,what", [("2", "not in this model: layers.2."), ("8", "missing from the checkpoint: "
+                                                                                    "layers.6.")])
+def test_resume_with_another_model_shape_is_refused(run, tmp_path, mp, layers, what):
+    """debugmodel has 6 layers: resuming with 2 (or 8) used to load the overlap and train on (exit 0)."""
+    dump = copy_run(run, tmp_path / "run")
+    before = sorted(p.name for p in (dump / "checkpoint").iterdir())
+    metrics = (dump / "metrics.jsonl").read_text()
+    rc, log = train(dump, "--training.steps", "6", "--checkpoint.interval", "2", "--model.n_layers", layers,
+                    monkeypatch=mp)
+    assert rc == 3, log
+    assert "Traceback" not in log
+    lines = _error_lines(log)
+    assert len(lines) == 1 and "step-4 does not fit this run's config" in lines[0], log
+    assert what in lines[0] and "in all)" in lines[0] and "model.n_layers" in lines[0], lines[0]
+    assert "trying the previous one" not in log  # every checkpoint of the run would fail the same way
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == before  # nothing changed
+    assert (dump / "metrics.jsonl").read_text() == metrics
+
+
+def test_initial_load_of_another_model_shape_is_refused(run, tmp_path, mp):
+    rc, log = train(tmp_path / "new", "--training.steps", "1", "--model.n_layers", "2",
+                    "--checkpoint.initial_load_path", str(run / "checkpoint" / "step-4"), monkeypatch=mp)
+    assert rc == 3 and "Traceback" not in log, log
+    lines = _error_lines(log)
+    assert len(lines) == 1 and "initial_load_path" in lines[0] and "not in this model: layers.2." in lines[0], log
+    assert "_Incompatible" not in lines[0]
+
+
+def test_matching_checkpoints_still_load(run, tmp_path, mp):
+    """The legitimate cases: a model-only export as initial weights, exclude_from_loading, a plain resume."""
+    rc, log = train(tmp_path / "new", "--training.steps", "1", "--checkpoint.enable", "false",
+                    "--checkpoint.initial_load_path", str(run / "checkpoint" / "final-step-4"), monkeypatch=mp)
+    assert rc == 0 and "initial weights loaded from" in log, log
+    dump = copy_run(run, tmp_path / "run")
+    rc, log = train(dump, "--training.steps", "5", "--checkpoint.interval", "2",
+                    "--checkpoint.exclude_from_loading", "dataloader", monkeypatch=mp)
+    assert rc == 0 and "step-4 loaded" in log and "not restored: dataloader" in log, log
+
+
+def test_float8_conversion_keeps_the_checkpoint_names(run, tmp_path, mp):
+    """Float8Linear keeps Linear's parameter names: a checkpoint of the plain model resumes under float8."""
+    pytest.importorskip("torchao")
+    dump = copy_run(run, tmp_path / "run")
+    rc, log = train(dump, "--training.steps", "5", "--checkpoint.interval", "2", "--model.converters",
+                    "quantize.linear.float8", monkeypatch=mp)
+    assert rc == 0 and "step-4 loaded" in log and "float8" in log, log

@@ -40,6 +40,7 @@ from trainer.checkpoint.state import (
 )
 from trainer.errors import CheckpointError, ConfigError
 from trainer.models.hf import load_hf_weights
+from trainer.parallel import clean_fqn
 
 logger = logging.getLogger("trainer")
 
@@ -49,10 +50,44 @@ class _Incompatible(Exception):
     either)."""
 
 
-def _metadata_keys(path: Path) -> set[str]:
+def _metadata_entries(path: Path) -> dict[str, Any]:
+    """``{flattened DCP key: its metadata}`` of a checkpoint (nothing but ``.metadata`` is read)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata.keys())
+    return dict(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def _first(names: set[str], n: int = 5) -> str:
+    shown = sorted(names)[:n]
+    return ", ".join(shown) + (f", ... ({len(names)} in all)" if len(names) > n else f" ({len(names)})")
+
+
+def model_mismatch(model_sd: dict[str, Any], entries: dict[str, Any]) -> str | None:
+    """Why a checkpoint's ``model`` entry does not fit ``model_sd`` (this run's model state, plain names),
+    or None. Both sides are compared under the names the loader uses (:func:`trainer.parallel.clean_fqn`,
+    which also normalises checkpoints written under pipeline stages or wrappers), tensors by global shape.
+    DCP alone would load the overlap and leave the rest as initialised, which trains on silently."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = {clean_fqn(k[len("model."):]): v for k, v in entries.items() if k.startswith("model.")}
+    wanted = {clean_fqn(k): v for k, v in model_sd.items()}
+    missing, unexpected = set(wanted) - set(saved), set(saved) - set(wanted)
+    reshaped = sorted(f"{k} {tuple(saved[k].size)} -> {tuple(v.shape)}" for k, v in wanted.items()
+                      if k in saved and isinstance(saved[k], TensorStorageMetadata) and hasattr(v, "shape")
+                      and tuple(saved[k].size) != tuple(v.shape))
+    if not (missing or unexpected or reshaped):
+        return None
+    parts = []
+    if missing:
+        parts.append(f"missing from the checkpoint: {_first(missing)}")
+    if unexpected:
+        parts.append(f"not in this model: {_first(unexpected)}")
+    if reshaped:
+        parts.append(f"other shapes (saved -> now): {', '.join(reshaped[:5])}"
+                     + (f", ... ({len(reshaped)} in all)" if len(reshaped) > 5 else f" ({len(reshaped)})"))
+    return ("its model weights do not match this model (was the model config changed, e.g. model.flavor, "
+            "model.n_layers or model.dim?): " + "; ".join(parts) + ". Train with the model config it was saved "
+            "with (its run's config.toml), or start the new model in a new job.dump_folder")
 
 
 def _present(prefix: str, keys: set[str]) -> bool:
@@ -239,12 +274,16 @@ class Loader:
         import torch.distributed.checkpoint as dcp
 
         c = self.components
-        keys = _metadata_keys(path)
+        entries = _metadata_entries(path)
+        keys = set(entries)
         state: dict[str, Any] = {}
         if "model" in want:
             if not _present("model", keys):
                 raise CheckpointError(f"{path} has no 'model' entry")
             state["model"] = c.model_state()
+            mismatch = model_mismatch(state["model"], entries)
+            if mismatch:  # not damage: every checkpoint of this run would fail the same way
+                raise _Incompatible(mismatch)
         if "optimizer" in want:
             if not _present("optimizer", keys):
                 raise CheckpointError(f"{path} has no optimizer state (a model-only checkpoint?)")
@@ -337,8 +376,15 @@ class Loader:
             return
         reasons = self.comm.agree(self._verify(chosen))  # checksums first: nothing read from a damaged one
         if not reasons:
-            _, error = attempt(f"loading {chosen.path}", self._load_checkpoint, chosen.path, chosen.marker,
-                               model_only=True, exclude=set(), restore_train_state=False)
+            error = None
+            try:
+                self._load_checkpoint(chosen.path, chosen.marker, model_only=True, exclude=set(),
+                                      restore_train_state=False)
+            except _Incompatible as e:  # weights of another model: said as such, not as an exception type
+                error = str(e)
+            except ERRORS as e:
+                logger.debug("loading %s failed:\n%s", chosen.path, traceback.format_exc())
+                error = format_exception(e)
             reasons = self.comm.agree(error)
         if reasons:
             raise CheckpointError(f"checkpoint.initial_load_path {chosen.path} could not be loaded: "
