@@ -271,3 +271,14 @@ def test_float8_conversion_keeps_the_checkpoint_names(run, tmp_path, mp):
     rc, log = train(dump, "--training.steps", "5", "--checkpoint.interval", "2", "--model.converters",
                     "quantize.linear.float8", monkeypatch=mp)
     assert rc == 0 and "step-4 loaded" in log and "float8" in log, log
+
+
+def test_partial_model_load_by_name(run, tmp_path, mp):
+    """checkpoint.partial_model_load: the weights both share are loaded, the rest stay initialised, the
+    optimizer starts fresh, and the log says how many."""
+    dump = copy_run(run, tmp_path / "run")
+    rc, log = train(dump, "--training.steps", "5", "--checkpoint.interval", "2", "--model.n_layers", "8",
+                    "--checkpoint.partial_model_load", monkeypatch=mp)
+    assert rc == 0, log
+    assert "checkpoint.partial_model_load: " in log and "missing from the checkpoint: layers.6." in log, log
+    assert "step-4 loaded" in log and "not restored: optimizer" in log, log

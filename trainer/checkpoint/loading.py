@@ -62,11 +62,12 @@ def _first(names: set[str], n: int = 5) -> str:
     return ", ".join(shown) + (f", ... ({len(names)} in all)" if len(names) > n else f" ({len(names)})")
 
 
-def model_mismatch(model_sd: dict[str, Any], entries: dict[str, Any]) -> str | None:
-    """Why a checkpoint's ``model`` entry does not fit ``model_sd`` (this run's model state, plain names),
-    or None. Both sides are compared under the names the loader uses (:func:`trainer.parallel.clean_fqn`,
-    which also normalises checkpoints written under pipeline stages or wrappers), tensors by global shape.
-    DCP alone would load the overlap and leave the rest as initialised, which trains on silently."""
+def compare_model(model_sd: dict[str, Any], entries: dict[str, Any]) -> tuple[str | None, set[str]]:
+    """(why a checkpoint's ``model`` entry does not fit ``model_sd`` or None, the names both hold at the same
+    shape). ``model_sd`` is this run's model state under plain names; both sides are compared under the
+    names the loader uses (:func:`trainer.parallel.clean_fqn`, which also normalises checkpoints written
+    under pipeline stages or wrappers), tensors by global shape. DCP alone would load the overlap and leave
+    the rest as initialised, which trains on silently."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     saved = {clean_fqn(k[len("model."):]): v for k, v in entries.items() if k.startswith("model.")}
@@ -75,8 +76,9 @@ def model_mismatch(model_sd: dict[str, Any], entries: dict[str, Any]) -> str | N
     reshaped = sorted(f"{k} {tuple(saved[k].size)} -> {tuple(v.shape)}" for k, v in wanted.items()
                       if k in saved and isinstance(saved[k], TensorStorageMetadata) and hasattr(v, "shape")
                       and tuple(saved[k].size) != tuple(v.shape))
+    shared = {k for k in wanted if k in saved and not any(r.startswith(k + " ") for r in reshaped)}
     if not (missing or unexpected or reshaped):
-        return None
+        return None, shared
     parts = []
     if missing:
         parts.append(f"missing from the checkpoint: {_first(missing)}")
@@ -87,7 +89,8 @@ def model_mismatch(model_sd: dict[str, Any], entries: dict[str, Any]) -> str | N
                      + (f", ... ({len(reshaped)} in all)" if len(reshaped) > 5 else f" ({len(reshaped)})"))
     return ("its model weights do not match this model (was the model config changed, e.g. model.flavor, "
             "model.n_layers or model.dim?): " + "; ".join(parts) + ". Train with the model config it was saved "
-            "with (its run's config.toml), or start the new model in a new job.dump_folder")
+            "with (its run's config.toml), start the new model in a new job.dump_folder, or set "
+            "checkpoint.partial_model_load=true to load only the weights that match (optimizer starts fresh)"), shared
 
 
 def _present(prefix: str, keys: set[str]) -> bool:
@@ -108,6 +111,7 @@ class Loader:
         self.loaded_step: int | None = None
         self.failed_steps: set[int] = set()  # checkpoints of the folder that failed verification or loading
         self._touched = False  # a failed load may have written into the model (DCP reads in place)
+        self._partial = False  # the model was loaded partially (checkpoint.partial_model_load)
 
     def load(self, resume: bool) -> None:
         """Resume from the folder's latest complete checkpoint (or ``load_step``) when ``resume``, else or
@@ -277,13 +281,25 @@ class Loader:
         entries = _metadata_entries(path)
         keys = set(entries)
         state: dict[str, Any] = {}
+        self._partial = False
         if "model" in want:
             if not _present("model", keys):
                 raise CheckpointError(f"{path} has no 'model' entry")
             state["model"] = c.model_state()
-            mismatch = model_mismatch(state["model"], entries)
-            if mismatch:  # not damage: every checkpoint of this run would fail the same way
-                raise _Incompatible(mismatch)
+            mismatch, shared = compare_model(state["model"], entries)
+            if mismatch and not self.cfg.partial_model_load:
+                raise _Incompatible(mismatch)  # not damage: every checkpoint of this run would fail the same way
+            if mismatch:
+                # Asked for by name: the shared weights only; the optimizer's moments belong to the old
+                # model, so it starts fresh.
+                self._partial = True
+                total = len(state["model"])
+                state["model"] = {k: v for k, v in state["model"].items() if k in shared}
+                want = want - {"optimizer"}
+                if self.comm.rank == 0:
+                    logger.warning("checkpoint.partial_model_load: %d of this model's %d weights loaded from %s, "
+                                   "%d keep their initial values; optimizer starts fresh (%s)", len(shared), total,
+                                   path.name, total - len(shared), mismatch.split(": ", 1)[1].split(". Train with")[0])
         if "optimizer" in want:
             if not _present("optimizer", keys):
                 raise CheckpointError(f"{path} has no optimizer state (a model-only checkpoint?)")
@@ -309,7 +325,7 @@ class Loader:
         entry = "model"
         try:
             if "model" in state:
-                c.set_model_state(state["model"])
+                c.set_model_state(state["model"], strict=not self._partial)
             entry = "optimizer"
             c.set_optimizer_state(state.get("optimizer"))
             entry = "train_state"
