@@ -282,3 +282,24 @@ def test_partial_model_load_by_name(run, tmp_path, mp):
     assert rc == 0, log
     assert "checkpoint.partial_model_load: " in log and "missing from the checkpoint: layers.6." in log, log
     assert "step-4 loaded" in log and "not restored: optimizer" in log, log
+
+
+def test_compare_model_uses_the_loaders_names_and_the_whole_model(run):
+    """Names are compared after clean_fqn (wrapper segments), and against the whole model's shapes (a
+    pipeline rank passes every stage's, gathered), so one stage's subset alone is not a mismatch."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from trainer.checkpoint.loading import compare_model
+
+    entries = dict(FileSystemReader(str(run / "checkpoint" / "step-4")).read_metadata().state_dict_metadata)
+    shapes = {k[len("model."):]: tuple(v.size) for k, v in entries.items() if k.startswith("model.")}
+    assert compare_model(shapes, entries) == (None, set(shapes))
+    wrapped = {("model._orig_mod." + k[len("model."):] if k.startswith("model.") else k): v
+               for k, v in entries.items()}
+    assert compare_model(shapes, wrapped)[0] is None
+    fewer = {k: v for k, v in shapes.items() if not k.startswith("layers.5.")}
+    why, shared = compare_model(fewer, entries)
+    assert "not in this model: layers.5." in why and shared == set(fewer)
+    wider = dict(shapes, **{"norm.weight": (shapes["norm.weight"][0] * 2,)})
+    why, shared = compare_model(wider, entries)
+    assert "other shapes (saved -> now): norm.weight" in why and "norm.weight" not in shared

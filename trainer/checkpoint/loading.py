@@ -62,21 +62,26 @@ def _first(names: set[str], n: int = 5) -> str:
     return ", ".join(shown) + (f", ... ({len(names)} in all)" if len(names) > n else f" ({len(names)})")
 
 
-def compare_model(model_sd: dict[str, Any], entries: dict[str, Any]) -> tuple[str | None, set[str]]:
-    """(why a checkpoint's ``model`` entry does not fit ``model_sd`` or None, the names both hold at the same
-    shape). ``model_sd`` is this run's model state under plain names; both sides are compared under the
-    names the loader uses (:func:`trainer.parallel.clean_fqn`, which also normalises checkpoints written
-    under pipeline stages or wrappers), tensors by global shape. DCP alone would load the overlap and leave
-    the rest as initialised, which trains on silently."""
+def model_shapes(model_sd: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """``{plain name: global shape}`` of a model state (DTensors report their global shape)."""
+    return {clean_fqn(k): tuple(v.shape) for k, v in model_sd.items() if hasattr(v, "shape")}
+
+
+def compare_model(shapes: dict[str, tuple[int, ...]], entries: dict[str, Any]) -> tuple[str | None, set[str]]:
+    """(why a checkpoint's ``model`` entry does not fit the model or None, the names both hold at the same
+    shape). ``shapes`` is the whole model's (:func:`model_shapes`; under pipeline parallelism gathered over
+    the stages, so every rank decides the same). Both sides are compared under the names the loader uses
+    (:func:`trainer.parallel.clean_fqn`, which also normalises checkpoints written under pipeline stages or
+    wrappers), tensors by global shape. DCP alone would load the overlap and leave the rest as
+    initialised, which trains on silently."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     saved = {clean_fqn(k[len("model."):]): v for k, v in entries.items() if k.startswith("model.")}
-    wanted = {clean_fqn(k): v for k, v in model_sd.items()}
-    missing, unexpected = set(wanted) - set(saved), set(saved) - set(wanted)
-    reshaped = sorted(f"{k} {tuple(saved[k].size)} -> {tuple(v.shape)}" for k, v in wanted.items()
-                      if k in saved and isinstance(saved[k], TensorStorageMetadata) and hasattr(v, "shape")
-                      and tuple(saved[k].size) != tuple(v.shape))
-    shared = {k for k in wanted if k in saved and not any(r.startswith(k + " ") for r in reshaped)}
+    missing, unexpected = set(shapes) - set(saved), set(saved) - set(shapes)
+    reshaped = sorted(f"{k} {tuple(saved[k].size)} -> {shape}" for k, shape in shapes.items()
+                      if k in saved and isinstance(saved[k], TensorStorageMetadata)
+                      and tuple(saved[k].size) != shape)
+    shared = {k for k in shapes if k in saved and not any(r.startswith(k + " ") for r in reshaped)}
     if not (missing or unexpected or reshaped):
         return None, shared
     parts = []
@@ -112,11 +117,19 @@ class Loader:
         self.failed_steps: set[int] = set()  # checkpoints of the folder that failed verification or loading
         self._touched = False  # a failed load may have written into the model (DCP reads in place)
         self._partial = False  # the model was loaded partially (checkpoint.partial_model_load)
+        self._model_shapes: dict | None = None  # the whole model's shapes, when a rank holds only stages
 
     def load(self, resume: bool) -> None:
         """Resume from the folder's latest complete checkpoint (or ``load_step``) when ``resume``, else or
         when there is none start from ``initial_load_path`` if set."""
         cfg = self.cfg
+        if self.components.pp_degree > 1 and (resume or cfg.initial_load_path):
+            # Each rank holds only its pipeline stages: compare the checkpoint with the whole model, so that
+            # every rank takes the same decision (a rank refusing alone would leave the others waiting in
+            # DCP's collectives). All ranks call this, before anything else of the load.
+            parts = self.comm.gather(model_shapes(self.components.model_state()))
+            self._model_shapes = self.comm.broadcast(
+                {k: v for part in parts for k, v in part.items()} if self.comm.rank == 0 else None)
         candidates: list[CheckpointInfo] = []
         if resume:
             candidates = self.comm.broadcast(self._choose_candidates() if self.comm.rank == 0 else None)
@@ -286,14 +299,14 @@ class Loader:
             if not _present("model", keys):
                 raise CheckpointError(f"{path} has no 'model' entry")
             state["model"] = c.model_state()
-            mismatch, shared = compare_model(state["model"], entries)
+            mismatch, shared = compare_model(self._model_shapes or model_shapes(state["model"]), entries)
             if mismatch and not self.cfg.partial_model_load:
                 raise _Incompatible(mismatch)  # not damage: every checkpoint of this run would fail the same way
             if mismatch:
                 # Asked for by name: the shared weights only; the optimizer's moments belong to the old
                 # model, so it starts fresh.
                 self._partial = True
-                total = len(state["model"])
+                total = len(self._model_shapes or state["model"])
                 state["model"] = {k: v for k, v in state["model"].items() if k in shared}
                 want = want - {"optimizer"}
                 if self.comm.rank == 0:
