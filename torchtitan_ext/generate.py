@@ -114,6 +114,7 @@ def _record(nxt: torch.Tensor, done: torch.Tensor, out: list[list[int]], eos_id:
 def main(argv: list[str] | None = None) -> int:
     from trainer import logs
     from torchtitan_ext.native import CheckpointNotFound, add_model_source_args, load_model_from_args
+    from trainer.errors import CheckpointError
 
     parser = argparse.ArgumentParser(prog="trainer generate",
                                      description="Sample text from a native checkpoint or an exported HF folder.")
@@ -148,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name} must be >= {least}, got {getattr(args, name)}")
     try:
         loaded = load_model_from_args(args, dtype=args.dtype, device=args.device)
+    except CheckpointError as e:  # a damaged checkpoint: nothing was generated
+        print(f"trainer generate: {e}", file=sys.stderr)
+        return e.exit_code
     except (CheckpointNotFound, FileNotFoundError, ValueError, KeyError) as e:
         print(f"trainer generate: {e}", file=sys.stderr)
         return 2

@@ -23,6 +23,7 @@ import torch
 from tokenizer.policy import align_export, token_string
 from torchtitan_ext.native import load_hf_model, parse_dtype
 from trainer.checkpoint.offline import CheckpointNotFound, checkpoint_model_entries
+from trainer.errors import CheckpointError
 from trainer.tools.checkpoint_model import describe_checkpoint
 from trainer.models.llama.hf_adapter import (
     SAFETENSORS_INDEX,
@@ -417,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
                                 config_path=args.config, flavor=args.flavor, tokenizer_path=args.tokenizer,
                                 max_shard_size=args.max_shard_size,
                                 max_position_embeddings=args.max_position_embeddings, overwrite=args.overwrite)
+    except CheckpointError as e:  # a damaged checkpoint: nothing was exported
+        print(f"trainer export: {e}", file=sys.stderr)
+        return e.exit_code
     except (CheckpointNotFound, FileExistsError, ValueError, KeyError) as e:
         print(f"trainer export: {e}", file=sys.stderr)
         return 2

@@ -293,6 +293,7 @@ def _report(results: dict, model: str, model_args: dict, args, seconds: float) -
 
 def main(argv: list[str] | None = None) -> int:
     from trainer import logs
+    from trainer.errors import CheckpointError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:  # lm_eval run ... (lm-eval >= 0.4.10's subcommand form)
@@ -318,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         model, model_args = _model_and_args(args)
         lm = _build_lm(model, model_args, args)
         results, tracker = _run(lm, model, model_args, args, tasks)
+    except CheckpointError as e:  # a damaged checkpoint: nothing was evaluated
+        print(f"trainer eval: {e}", file=sys.stderr)
+        return e.exit_code
     except (FileNotFoundError, ValueError, KeyError, TypeError) as e:
         print(f"trainer eval: {e}", file=sys.stderr)
         return 2

@@ -34,18 +34,39 @@ def _error(msg: str) -> int:
     return CheckpointError.exit_code
 
 
-def _rows(folder: Path) -> list[dict[str, Any]]:
-    rows = []
+def _rows(folder: Path, verify: bool = True) -> list[dict[str, Any]]:
+    """One row per checkpoint folder. With ``verify`` the checkpoint a run would resume from is re-hashed
+    (as the run does before loading); one that fails is shown as corrupt and the next one is checked, so
+    the resume claim is true. Only the checkpoints up to the first intact one are read."""
+    rows, markers = [], {}
     for c in scan_folder(folder):
         m = c.marker
+        markers[c.path.name] = m
         rows.append({"name": c.path.name, "step": c.step, "status": c.status, "kind": m.get("kind", "-"),
                      "tokens_seen": m.get("tokens_seen"), "bytes": m.get("bytes") if c.complete else tree_size(c.path),
                      "saved_at": m.get("saved_at", "-"), "layout": m.get("layout", "-"), "reason": c.reason,
                      "path": str(c.path)})
+    while verify:
+        claimed = _resume_row(rows)
+        if claimed is None:
+            break
+        problem = verify_files(Path(claimed["path"]), markers[claimed["name"]])
+        if problem is None:
+            claimed["verified"] = True
+            break
+        claimed["status"], claimed["reason"] = "corrupt", problem
     return rows
 
 
-def _print_rows(folder: Path, rows: list[dict[str, Any]]) -> None:
+def _resume_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The row of the checkpoint a run with this folder resumes from (by commit markers and sizes, the
+    run's own order: the newest complete one, or the newest full one after a newer model-only export)."""
+    latest = [r for r in rows if r["status"] == "complete"]
+    full = [r for r in latest if r["kind"] == "full"]
+    return full[-1] if full else (latest[-1] if latest else None)
+
+
+def _print_rows(folder: Path, rows: list[dict[str, Any]], verified: bool = True) -> None:
     print(f"checkpoints in {folder}:")
     print(f"{'step':>8}  {'status':<10}  {'kind':<10}  {'tokens':>14}  {'size':>10}  saved at")
     for r in rows:
@@ -56,16 +77,23 @@ def _print_rows(folder: Path, rows: list[dict[str, Any]]) -> None:
             line += f"  ({r['name']}: {r['reason']})"
         print(line)
     latest = [r for r in rows if r["status"] == "complete"]
-    full = [r for r in latest if r["kind"] == "full"]
+    claimed = _resume_row(rows)
     if not latest and any(not r["name"].endswith((".tmp", ".replaced")) for r in rows):
         print("no complete checkpoint: a run stops (exit 3) unless checkpoint.start_fresh_if_unloadable = true")
     elif not latest:
         print("no complete checkpoint: a run would start from scratch")
-    elif latest[-1]["kind"] == "full" or not full or full[-1]["step"] == latest[-1]["step"]:
-        print(f"a run with this dump folder resumes from step {latest[-1]['step']}")
+    elif not verified:  # checksums not read: the claim rests on the markers and sizes only
+        print(f"newest committed checkpoint: step {claimed['step']} (checksums not read; "
+              f"`trainer checkpoint verify` checks it)")
+    elif claimed["step"] == latest[-1]["step"] or any(
+            r["kind"] == "full" and r["step"] == latest[-1]["step"] for r in rows):
+        # (the second: the full checkpoint next to the newest export failed its checksums; the run then
+        # falls back to the previous full one whatever training.steps says)
+        print(f"a run with this dump folder resumes from step {claimed['step']} (checksums verified)")
     else:
         print(f"step {latest[-1]['step']} holds only weights ({latest[-1]['kind']}): a run with this dump folder "
-              f"and more training.steps resumes from step {full[-1]['step']}, the newest with optimizer state")
+              f"and more training.steps resumes from step {claimed['step']}, the newest with optimizer state "
+              "(checksums verified)")
 
 
 def _list(args) -> int:
@@ -73,13 +101,13 @@ def _list(args) -> int:
     if not path.is_dir():
         return _error(f"no such folder: {path}")
     folder = locate_folder(path)
-    rows = _rows(folder)
+    rows = _rows(folder, verify=not args.no_verify)
     if args.json:
         print(json.dumps({"folder": str(folder), "checkpoints": rows}, indent=1))
     elif not rows:
         print(f"no checkpoints in {folder}")
     else:
-        _print_rows(folder, rows)
+        _print_rows(folder, rows, verified=not args.no_verify)
     return 0
 
 
@@ -198,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("list", help="the checkpoints of a dump folder or checkpoint folder")
     p.add_argument("path", help="a job.dump_folder or its checkpoint folder")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--no-verify", dest="no_verify", action="store_true",
+                   help="do not re-hash the checkpoint a run would resume from (markers and sizes only)")
     p = sub.add_parser("inspect", help="one checkpoint: its marker, completeness and contents")
     p.add_argument("path", help="a step-N folder (or a dump folder: its latest complete checkpoint)")
     p.add_argument("--keys", action="store_true", help="list every entry with its shape and dtype")

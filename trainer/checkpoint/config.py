@@ -28,7 +28,7 @@ class Checkpoint:
     interval: int = 500
     """Save every this many steps (and at the last step)."""
     keep_latest_k: int = 10
-    """Keep this many newest checkpoints and delete older ones; 0 keeps all."""
+    """Keep this many newest full checkpoints of the run (over all its launches) and delete older ones; 0 keeps all."""
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
     """Save in the background: async copies state to CPU then writes in another thread; with pinned
     memory the copy uses reusable pinned buffers."""
@@ -46,6 +46,10 @@ class Checkpoint:
     """initial_load_path is a Hugging Face safetensors Llama folder."""
     exclude_from_loading: list[str] = field(default_factory=list)
     """State keys not to restore on resume, e.g. ["optimizer", "dataloader"]."""
+    partial_model_load: bool = False
+    """Load only the model weights a checkpoint shares with the model (same name and shape) and keep the rest
+    as initialised, e.g. to grow a model from a smaller one; the optimizer then starts fresh. Without it a
+    checkpoint whose model weights do not match the model is refused (exit code 3)."""
     create_seed_checkpoint: bool = False
     """Initialise the model, save it as step 0, and exit (run on one process)."""
     max_failed_saves: int = 1

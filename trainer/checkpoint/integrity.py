@@ -8,8 +8,10 @@ wrote itself (``.metadata``, ``dataloader.json``) and records them all in ``chec
     "files": {"__0_0.distcp": {"size": 1234, "checksum": "9f..."}, ".metadata": {...}, ...}
 
 Loading re-hashes the files (each rank a share of them) before DCP reads anything, so a flipped bit is
-refused as corruption and the previous checkpoint is used instead. ``trainer checkpoint verify`` does the
-same offline. Markers written before checksums existed (``"files": {name: size}``) are checked by size only.
+refused as corruption and the previous checkpoint is used instead. The offline readers (``trainer
+export/generate/eval``, through ``trainer.checkpoint.offline.find_checkpoint``), ``trainer checkpoint
+list`` (for the checkpoint it says a run resumes from) and ``trainer checkpoint verify`` do the same with
+:func:`verify_files`. Markers written before checksums existed (``"files": {name: size}``) are checked by size only.
 
 Algorithms: ``xxh3_128`` (the ``xxhash`` package; several GB/s per core), ``sha256`` (standard library,
 cryptographic, slower), ``none`` (sizes only).

@@ -17,7 +17,9 @@ Under ``<job.dump_folder>/<checkpoint.folder>/``::
 The marker records every file with its size and checksum (see :mod:`trainer.checkpoint.integrity`).
 
 A folder is complete only when its marker is readable and every file it lists is present with its
-recorded size (checksums are verified when a checkpoint is loaded or by ``trainer checkpoint verify``).
+recorded size (checksums are verified when a checkpoint is loaded: by a run, by the tools through
+:func:`trainer.checkpoint.offline.find_checkpoint`, by ``trainer checkpoint list`` for the checkpoint it
+says a run resumes from, and by ``trainer checkpoint verify``).
 Every place that lists or validates checkpoint folders (the manager, the command line,
 the offline readers of ``trainer export/eval/generate``, the stability guard) goes through
 :func:`scan_folder` / :func:`inspect_checkpoint`, so there is one naming rule and one notion of

@@ -40,6 +40,7 @@ from trainer.checkpoint.state import (
 )
 from trainer.errors import CheckpointError, ConfigError
 from trainer.models.hf import load_hf_weights
+from trainer.parallel import clean_fqn
 
 logger = logging.getLogger("trainer")
 
@@ -49,10 +50,52 @@ class _Incompatible(Exception):
     either)."""
 
 
-def _metadata_keys(path: Path) -> set[str]:
+def _metadata_entries(path: Path) -> dict[str, Any]:
+    """``{flattened DCP key: its metadata}`` of a checkpoint (nothing but ``.metadata`` is read)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata.keys())
+    return dict(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def _first(names: set[str], n: int = 5) -> str:
+    shown = sorted(names)[:n]
+    return ", ".join(shown) + (f", ... ({len(names)} in all)" if len(names) > n else f" ({len(names)})")
+
+
+def model_shapes(model_sd: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """``{plain name: global shape}`` of a model state (DTensors report their global shape)."""
+    return {clean_fqn(k): tuple(v.shape) for k, v in model_sd.items() if hasattr(v, "shape")}
+
+
+def compare_model(shapes: dict[str, tuple[int, ...]], entries: dict[str, Any]) -> tuple[str | None, set[str]]:
+    """(why a checkpoint's ``model`` entry does not fit the model or None, the names both hold at the same
+    shape). ``shapes`` is the whole model's (:func:`model_shapes`; under pipeline parallelism gathered over
+    the stages, so every rank decides the same). Both sides are compared under the names the loader uses
+    (:func:`trainer.parallel.clean_fqn`, which also normalises checkpoints written under pipeline stages or
+    wrappers), tensors by global shape. DCP alone would load the overlap and leave the rest as
+    initialised, which trains on silently."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = {clean_fqn(k[len("model."):]): v for k, v in entries.items() if k.startswith("model.")}
+    missing, unexpected = set(shapes) - set(saved), set(saved) - set(shapes)
+    reshaped = sorted(f"{k} {tuple(saved[k].size)} -> {shape}" for k, shape in shapes.items()
+                      if k in saved and isinstance(saved[k], TensorStorageMetadata)
+                      and tuple(saved[k].size) != shape)
+    shared = {k for k in shapes if k in saved and not any(r.startswith(k + " ") for r in reshaped)}
+    if not (missing or unexpected or reshaped):
+        return None, shared
+    parts = []
+    if missing:
+        parts.append(f"missing from the checkpoint: {_first(missing)}")
+    if unexpected:
+        parts.append(f"not in this model: {_first(unexpected)}")
+    if reshaped:
+        parts.append(f"other shapes (saved -> now): {', '.join(reshaped[:5])}"
+                     + (f", ... ({len(reshaped)} in all)" if len(reshaped) > 5 else f" ({len(reshaped)})"))
+    return ("its model weights do not match this model (was the model config changed, e.g. model.flavor, "
+            "model.n_layers or model.dim?): " + "; ".join(parts) + ". Train with the model config it was saved "
+            "with (its run's config.toml), start the new model in a new job.dump_folder, or set "
+            "checkpoint.partial_model_load=true to load only the weights that match (optimizer starts fresh)"), shared
 
 
 def _present(prefix: str, keys: set[str]) -> bool:
@@ -71,12 +114,22 @@ class Loader:
         self.comm = comm
         self.training_steps = training_steps
         self.loaded_step: int | None = None
+        self.failed_steps: set[int] = set()  # checkpoints of the folder that failed verification or loading
         self._touched = False  # a failed load may have written into the model (DCP reads in place)
+        self._partial = False  # the model was loaded partially (checkpoint.partial_model_load)
+        self._model_shapes: dict | None = None  # the whole model's shapes, when a rank holds only stages
 
     def load(self, resume: bool) -> None:
         """Resume from the folder's latest complete checkpoint (or ``load_step``) when ``resume``, else or
         when there is none start from ``initial_load_path`` if set."""
         cfg = self.cfg
+        if self.components.pp_degree > 1 and (resume or cfg.initial_load_path):
+            # Each rank holds only its pipeline stages: compare the checkpoint with the whole model, so that
+            # every rank takes the same decision (a rank refusing alone would leave the others waiting in
+            # DCP's collectives). All ranks call this, before anything else of the load.
+            parts = self.comm.gather(model_shapes(self.components.model_state()))
+            self._model_shapes = self.comm.broadcast(
+                {k: v for part in parts for k, v in part.items()} if self.comm.rank == 0 else None)
         candidates: list[CheckpointInfo] = []
         if resume:
             candidates = self.comm.broadcast(self._choose_candidates() if self.comm.rank == 0 else None)
@@ -188,6 +241,8 @@ class Loader:
                 self._report_load(c.path, c.marker, report)
                 return
             msg = " | ".join(reasons)
+            if not c.final:
+                self.failed_steps.add(c.step)
             errors.append(f"{c.path.name}: {msg}")
             if self.comm.rank == 0:
                 logger.error("checkpoint %s could not be loaded (%s)%s", c.path.name, msg,
@@ -236,12 +291,28 @@ class Loader:
         import torch.distributed.checkpoint as dcp
 
         c = self.components
-        keys = _metadata_keys(path)
+        entries = _metadata_entries(path)
+        keys = set(entries)
         state: dict[str, Any] = {}
+        self._partial = False
         if "model" in want:
             if not _present("model", keys):
                 raise CheckpointError(f"{path} has no 'model' entry")
             state["model"] = c.model_state()
+            mismatch, shared = compare_model(self._model_shapes or model_shapes(state["model"]), entries)
+            if mismatch and not self.cfg.partial_model_load:
+                raise _Incompatible(mismatch)  # not damage: every checkpoint of this run would fail the same way
+            if mismatch:
+                # Asked for by name: the shared weights only; the optimizer's moments belong to the old
+                # model, so it starts fresh.
+                self._partial = True
+                total = len(self._model_shapes or state["model"])
+                state["model"] = {k: v for k, v in state["model"].items() if k in shared}
+                want = want - {"optimizer"}
+                if self.comm.rank == 0:
+                    logger.warning("checkpoint.partial_model_load: %d of this model's %d weights loaded from %s, "
+                                   "%d keep their initial values; optimizer starts fresh (%s)", len(shared), total,
+                                   path.name, total - len(shared), mismatch.split(": ", 1)[1].split(". Train with")[0])
         if "optimizer" in want:
             if not _present("optimizer", keys):
                 raise CheckpointError(f"{path} has no optimizer state (a model-only checkpoint?)")
@@ -267,7 +338,7 @@ class Loader:
         entry = "model"
         try:
             if "model" in state:
-                c.set_model_state(state["model"])
+                c.set_model_state(state["model"], strict=not self._partial)
             entry = "optimizer"
             c.set_optimizer_state(state.get("optimizer"))
             entry = "train_state"
@@ -343,8 +414,15 @@ class Loader:
             return
         reasons = self.comm.agree(self._verify(chosen))  # checksums first: nothing read from a damaged one
         if not reasons:
-            _, error = attempt(f"loading {chosen.path}", self._load_checkpoint, chosen.path, chosen.marker,
-                               model_only=True, exclude=set(), restore_train_state=False)
+            error = None
+            try:
+                self._load_checkpoint(chosen.path, chosen.marker, model_only=True, exclude=set(),
+                                      restore_train_state=False)
+            except _Incompatible as e:  # weights of another model: said as such, not as an exception type
+                error = str(e)
+            except ERRORS as e:
+                logger.debug("loading %s failed:\n%s", chosen.path, traceback.format_exc())
+                error = format_exception(e)
             reasons = self.comm.agree(error)
         if reasons:
             raise CheckpointError(f"checkpoint.initial_load_path {chosen.path} could not be loaded: "

@@ -134,6 +134,8 @@ class CheckpointManager:
         self.loader.load(resume=self.enabled)
         if self.loader.loaded_step is not None and self.cfg.verify_on_load:
             self.saver.committed_steps.add(self.loader.loaded_step)  # verified: counts for keep_latest_k
+            self.saver.resumed_steps.add(self.loader.loaded_step)
+        self.saver.damaged_steps |= self.loader.failed_steps  # may hold intact weights: never deleted
         if self.enabled and self.comm.rank == 0:
             self.saver.space.report(self.components.full_checkpoint_bytes())
 

@@ -5,7 +5,9 @@ A checkpoint is a DCP folder ``<dump_folder>/<checkpoint.folder>/step-N/`` whose
 model weights under a top-level ``model`` entry (plain FQNs such as ``layers.0.attention.wq.weight``).
 DCP reshards on load, so a checkpoint written by any parallel layout (FSDP, HSDP, TP, PP) loads here.
 Besides the trainer's committed checkpoints, a finished plain ``dcp.save`` of another tool (DCP metadata,
-no commit marker) is accepted. The architecture comes from the run's resolved
+no commit marker) is accepted. Every checkpoint handed to a reader is verified first, as the trainer's
+loader does (:func:`verify_checkpoint`: each file re-hashed against the checksum in its commit marker),
+so no tool exports, evaluates or samples from damaged weights. The architecture comes from the run's resolved
 ``<dump_folder>/config.toml`` (flavor, tokenizer), which callers may override; the vocabulary size is
 taken from the checkpoint itself.
 """
@@ -19,6 +21,7 @@ from typing import Any
 
 import torch
 
+from trainer.checkpoint.integrity import verify_files
 from trainer.checkpoint.layout import (
     RUN_CONFIG,
     CheckpointInfo,
@@ -26,12 +29,35 @@ from trainer.checkpoint.layout import (
     inspect_checkpoint,
     scan_folder,
 )
+from trainer.errors import CheckpointError
 from trainer.parallel import clean_fqn
 
 logger = logging.getLogger("trainer")
 
 class CheckpointNotFound(FileNotFoundError):
     """No usable checkpoint at the given path; the message says what was looked for."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A checkpoint whose files fail the checksums recorded in its commit marker (exit code 3)."""
+
+
+def verify_checkpoint(info: CheckpointInfo) -> str | None:
+    """Re-hash ``info``'s files against its commit marker, as the trainer does before loading (the same
+    :func:`trainer.checkpoint.integrity.verify_files`). None when they match or there is nothing to check
+    (another tool's DCP save has no marker), else the reason naming the first bad file."""
+    if not info.complete or not info.marker.get("files"):
+        return None
+    return verify_files(info.path, info.marker)
+
+
+def _verified(info: CheckpointInfo) -> Path:
+    """``info``'s path once its checksums match; :class:`CheckpointCorrupt` otherwise."""
+    bad = verify_checkpoint(info)
+    if bad:
+        raise CheckpointCorrupt(f"checkpoint {info.path} is CORRUPT: {bad}; nothing was read from it "
+                                "(`trainer checkpoint verify` checks every checkpoint of a run)")
+    return info.path
 
 
 def _readable(info: CheckpointInfo) -> bool:
@@ -47,12 +73,17 @@ def find_checkpoint(path: str | Path, step: int | None = None) -> Path:
     ``path`` may be a step folder (contains ``.metadata``), a checkpoint folder holding ``step-N``
     folders (the latest complete one is taken, or ``step``), or a dump folder with a ``checkpoint/``
     subfolder (or the folder named in its config.toml).
+
+    The checkpoint returned has been verified (:func:`verify_checkpoint`). A named one (a step folder, or
+    ``step``) that fails raises :class:`CheckpointCorrupt`; when choosing the latest, a damaged one is
+    reported and the previous one taken, as a resuming run does (:class:`CheckpointCorrupt` if none passes).
     """
     p = Path(path).expanduser()
     if not p.exists():
         raise CheckpointNotFound(f"checkpoint path does not exist: {p}")
-    if _readable(inspect_checkpoint(p)):
-        return p
+    info = inspect_checkpoint(p)
+    if _readable(info):
+        return _verified(info)
     if not p.is_dir():
         raise CheckpointNotFound(f"{p} is not a DCP checkpoint folder (no .metadata next to it)")
     for folder in checkpoint_folders(p):
@@ -66,13 +97,20 @@ def find_checkpoint(path: str | Path, step: int | None = None) -> Path:
                     f"no step-{step} in {folder}; available: {', '.join(str(c.step) for c in steps)}")
             if not _readable(match[0]):
                 raise CheckpointNotFound(f"{match[0].path} is {match[0].status}: {match[0].reason}")
-            return match[0].path
+            return _verified(match[0])
         readable = [c for c in steps if _readable(c)]
         if readable:
             if len(readable) < len(steps):
                 skipped = [c.path.name for c in steps if not c.readable]
                 logger.warning("skipping incomplete checkpoint(s) without .metadata: %s", ", ".join(skipped))
-            return readable[-1].path
+            damaged = []
+            for c in reversed(readable):  # newest first; the checksums of one checkpoint are read at a time
+                bad = verify_checkpoint(c)
+                if bad is None:
+                    return c.path
+                damaged.append(f"{c.path.name}: {bad}")
+                logger.error("checkpoint %s is CORRUPT (%s): trying the previous one", c.path, bad)
+            raise CheckpointCorrupt(f"no checkpoint in {folder} passes its checksums: {'; '.join(damaged)}")
         raise CheckpointNotFound(
             f"{folder} has step folders ({', '.join(c.path.name for c in steps)}) but none is complete "
             "(no .metadata file)")

@@ -102,6 +102,8 @@ class Saver:
         self.consecutive_failures = 0
         self.saves = 0
         self.committed_steps: set[int] = set()  # full checkpoints committed (and checksummed) by this run
+        self.resumed_steps: set[int] = set()  # the checkpoint this launch resumed from (verified on load)
+        self.damaged_steps: set[int] = set()  # checkpoints the loader could not load: never deleted
         self.pending: _Pending | None = None
         self._stager = None  # the reused pinned-memory stager (async_with_pinned_mem on CUDA)
         self._staging_future = None
@@ -335,24 +337,29 @@ class Saver:
                         final.name, human_bytes(marker.get("bytes", 0)),
                         "" if marker["kind"] == "full" else f", {marker['kind']} {marker['dtype']}",
                         time.perf_counter() - t0, blocking_s, final)
-            self._retain()
+            self._retain(step)
         return True
 
-    def _retain(self) -> None:
-        """Delete the full checkpoints older than the newest ``keep_latest_k`` (0 keeps all) that this run
-        committed (their checksums computed as they were written). Only committed, complete checkpoints
-        are ever deleted: an incomplete or damaged one may hold intact weights and stays (reported on
-        load), as do final model-only saves and anything that is not a ``step-N`` folder."""
+    def _retain(self, step: int) -> None:
+        """Delete the checkpoints older than the newest ``keep_latest_k`` (0 keeps all) full checkpoints of
+        the run up to ``step`` (the one just committed), whichever launch of the run committed them: a
+        preemptible job restarts many times, and counting one launch's saves only let the folder grow by
+        every launch's. Counted and deleted are only committed, complete checkpoints (marker and sizes);
+        one the loader found damaged (it may hold intact weights), a final model-only save, anything
+        that is not a ``step-N`` folder, and checkpoints after ``step`` (a run sent back with load_step
+        replaces them as it passes their steps) are never deleted. Nothing is deleted before this launch
+        has committed a checkpoint of its own, so the one it resumed from stays until a newer one exists."""
         k = self.cfg.keep_latest_k
-        if k <= 0:
+        if k <= 0 or not self.committed_steps - self.resumed_steps:
             return
-        infos = [c for c in scan_folder(self.folder) if not c.final and not c.leftover]
-        verified = [c for c in infos if c.complete and c.step in self.committed_steps]
-        if len(verified) < k:
+        infos = [c for c in scan_folder(self.folder) if not c.final and not c.leftover
+                 and c.complete and c.step <= step and c.step not in self.damaged_steps]
+        full = [c for c in infos if c.kind == "full"]
+        if len(full) <= k:
             return
-        keep_from = verified[-k].step
+        keep_from = full[-k].step
         for c in infos:
-            if c.step < keep_from and c.complete:
+            if c.step < keep_from:
                 shutil.rmtree(c.path, ignore_errors=True)
                 logger.info("checkpoint %s deleted (keep_latest_k=%d)", c.path.name, k)
 

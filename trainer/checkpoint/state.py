@@ -199,19 +199,21 @@ class Components:
                 sd[k] = v
         return sd
 
-    def set_model_state(self, sd: dict) -> None:
+    def set_model_state(self, sd: dict, strict: bool = True) -> None:
+        """Restore the model from ``sd``; ``strict=False`` leaves the weights ``sd`` lacks as they are (a
+        partial load the user asked for)."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
         )
 
         if len(self.model_parts) == 1:
-            set_model_state_dict(self.model_parts[0], sd)
+            set_model_state_dict(self.model_parts[0], sd, options=StateDictOptions(strict=strict))
             return
         for part in self.model_parts:
             names = {clean_fqn(k) for k in part.state_dict()}
             set_model_state_dict(part, {k: v for k, v in sd.items() if k in names},
-                                 options=StateDictOptions(strict=True))
+                                 options=StateDictOptions(strict=strict))
 
     def optimizer_state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
