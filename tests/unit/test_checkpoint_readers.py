@@ -5,42 +5,21 @@ runs in the test process (world size 1), a second or two per run."""
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import io
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
 
-from tests.utils import DEBUG_CONFIG, FAST
+from tests.support.launch import train_in_process
 from trainer.checkpoint.layout import scan_folder
 
-COMMON = [*FAST, "--lr_scheduler.decay_type", "constant", "--checkpoint.enable"]
 TASKS_DIR = Path(__file__).resolve().parent.parent / "assets" / "lm_eval_tasks"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train(dump: Path, *args: str, monkeypatch) -> tuple[int, str]:
     """``trainer.train.main`` in this process; returns (exit code, console output)."""
-    from trainer.train import main
-
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(_free_port())}.items():
-        monkeypatch.setenv(k, v)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        try:
-            rc = main(["--job.config_file", str(DEBUG_CONFIG), "--job.dump_folder", str(dump), *COMMON, *args])
-        finally:
-            gc.enable()  # the training loop disables automatic GC
-    return rc, out.getvalue()
+    return train_in_process(dump, "--lr_scheduler.decay_type", "constant", "--checkpoint.enable", *args,
+                            monkeypatch=monkeypatch)
 
 
 def flip_byte(path: Path, offset: int = 100) -> None:
