@@ -43,18 +43,20 @@ PP_CKPT = {
     "pp": spec("pp_ckpt_pp2", 2, *CKPT_COMMON, "--checkpoint.enable", "--training.local_batch_size", "8", *PP2,
                "--training.steps", "3"),
 }
-for _name, _nproc, _batch in (("pp1", 1, "8"), ("fsdp2", 2, "4")):
+for _name, _nproc, _batch, _extra in (("pp1", 1, "8", ()), ("fsdp2", 2, "4", ()), ("pp2", 2, "8", tuple(PP2))):
     PP_CKPT[_name] = spec(f"pp_ckpt_to_{_name}", _nproc, *CKPT_COMMON, "--checkpoint.enable",
-                          "--training.local_batch_size", _batch, "--training.steps", "6", after=(PP_CKPT["pp"],),
+                          "--training.local_batch_size", _batch, *_extra, "--training.steps", "6",
+                          after=(PP_CKPT["pp"],),
                           copy=((f"{{root}}/{PP_CKPT['pp']}/checkpoint", f"{{root}}/pp_ckpt_to_{_name}/checkpoint"),))
 
 
 @pytest.mark.slow
 @pytest.mark.runs(*PP_CKPT.values())
-def test_pp_checkpoint_loads_under_pp1_and_fsdp2(batches):
-    """Saved under PP 2, resumed under 1 process and under FSDP 2: same losses as a straight run."""
+def test_pp_checkpoint_loads_under_pp1_fsdp2_and_pp2(batches):
+    """Saved under PP 2, resumed under 1 process, under FSDP 2 and under PP 2 again (each rank's optimizer
+    param groups are its own parameters'): same losses as a straight run."""
     straight = batches.get(PP_CKPT["straight"]).losses()
-    for name in ("pp1", "fsdp2"):
+    for name in ("pp1", "fsdp2", "pp2"):
         resumed = batches.get(PP_CKPT[name]).losses()
         assert sorted(resumed) == [4, 5, 6], resumed  # continued from step 3
         for step in (4, 5, 6):

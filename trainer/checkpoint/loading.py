@@ -98,6 +98,13 @@ def compare_model(shapes: dict[str, tuple[int, ...]], entries: dict[str, Any]) -
             "checkpoint.partial_model_load=true to load only the weights that match (optimizer starts fresh)"), shared
 
 
+def _flat_optimizer(keys: set[str]) -> bool:
+    """Whether a checkpoint's optimizer param_groups are keyed by parameter name (``optimizer.param_groups.
+    <name>.lr``) rather than listed (``optimizer.param_groups.0.lr``)."""
+    groups = [k[len("optimizer.param_groups."):] for k in keys if k.startswith("optimizer.param_groups.")]
+    return any(not g.split(".", 1)[0].isdigit() for g in groups)
+
+
 def _present(prefix: str, keys: set[str]) -> bool:
     return prefix in keys or any(k.startswith(prefix + ".") for k in keys)
 
@@ -116,6 +123,7 @@ class Loader:
         self.loaded_step: int | None = None
         self.failed_steps: set[int] = set()  # checkpoints of the folder that failed verification or loading
         self._touched = False  # a failed load may have written into the model (DCP reads in place)
+        self._optimizer_flat = False  # the form of the optimizer state being read (see _flat_optimizer)
         self._partial = False  # the model was loaded partially (checkpoint.partial_model_load)
         self._model_shapes: dict | None = None  # the whole model's shapes, when a rank holds only stages
 
@@ -316,7 +324,10 @@ class Loader:
         if "optimizer" in want:
             if not _present("optimizer", keys):
                 raise CheckpointError(f"{path} has no optimizer state (a model-only checkpoint?)")
-            state["optimizer"] = c.optimizer_state()
+            # Read in the form it was written: param_groups keyed by parameter name (pipeline-parallel saves)
+            # or as a list of groups (the others, and every checkpoint written before).
+            self._optimizer_flat = _flat_optimizer(keys)
+            state["optimizer"] = c.optimizer_state(flat=self._optimizer_flat)
         if "train_state" in want and _present("train_state", keys):
             state["train_state"] = TrainState().state_dict()
         if "callbacks" in want and "callbacks" in keys:
@@ -340,7 +351,7 @@ class Loader:
             if "model" in state:
                 c.set_model_state(state["model"], strict=not self._partial)
             entry = "optimizer"
-            c.set_optimizer_state(state.get("optimizer"))
+            c.set_optimizer_state(state.get("optimizer"), flat=self._optimizer_flat)
             entry = "train_state"
             if "train_state" in state:
                 c.train_state.load_state_dict(state["train_state"])

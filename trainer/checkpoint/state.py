@@ -215,19 +215,26 @@ class Components:
             set_model_state_dict(part, {k: v for k, v in sd.items() if k in names},
                                  options=StateDictOptions(strict=strict))
 
-    def optimizer_state(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    def optimizer_state(self, flat: bool | None = None) -> dict:
+        """The optimizer's state dict keyed by parameter names. ``flat`` (default: under pipeline parallel)
+        also keys its param_groups by parameter name: each pipeline rank holds other parameters, and a list of
+        groups would be one key that DCP writes from one rank only (the others' groups would be lost)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        return get_optimizer_state_dict(self.model(), self.optimizer)
+        flat = self.pp_degree > 1 if flat is None else flat
+        return get_optimizer_state_dict(self.model(), self.optimizer,
+                                        options=StateDictOptions(flatten_optimizer_state_dict=flat))
 
-    def set_optimizer_state(self, sd: dict | None) -> None:
-        """Restore the optimizer; None starts it fresh (never half-loaded by an earlier failed attempt)."""
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    def set_optimizer_state(self, sd: dict | None, flat: bool = False) -> None:
+        """Restore the optimizer (``flat``: ``sd`` is in the form ``optimizer_state(flat=True)`` gives); None
+        starts it fresh (never half-loaded by an earlier failed attempt)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         if sd is None:
             self.optimizer.state.clear()
         else:
-            set_optimizer_state_dict(self.model(), self.optimizer, sd)
+            set_optimizer_state_dict(self.model(), self.optimizer, sd,
+                                     options=StateDictOptions(flatten_optimizer_state_dict=flat))
 
     def rng_state(self) -> dict:
         rng = {"cpu": torch.get_rng_state()}
