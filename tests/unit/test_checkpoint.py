@@ -28,12 +28,6 @@ def losses(dump: Path) -> dict[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def mp():
-    with pytest.MonkeyPatch.context() as m:
-        yield m
-
-
-@pytest.fixture(scope="module")
 def base(tmp_path_factory, mp):
     """6 steps, a checkpoint every 2 (full final save): the reference for several tests."""
     dump = tmp_path_factory.mktemp("base")

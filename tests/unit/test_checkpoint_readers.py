@@ -32,12 +32,6 @@ def flip_byte(path: Path, offset: int = 100) -> None:
 
 
 @pytest.fixture(scope="module")
-def mp():
-    with pytest.MonkeyPatch.context() as m:
-        yield m
-
-
-@pytest.fixture(scope="module")
 def run(tmp_path_factory, mp):
     """4 steps, a full checkpoint at steps 2 and 4 and the final model-only export final-step-4."""
     dump = tmp_path_factory.mktemp("readers") / "run"
