@@ -235,10 +235,18 @@ def resolve_model_args(config, tokenizer_vocab: int | None) -> LlamaModelArgs:
     return dataclasses.replace(flavor_args, vocab_size=vocab, max_seq_len=config.training.seq_len)
 
 
+def _absent_tokenizer_key(m) -> str | None:
+    """The key that names a tokenizer path which does not exist (hf_assets_path when it came from there), or
+    None when the path is unset or exists."""
+    if m.tokenizer_path and not os.path.exists(os.path.expanduser(m.tokenizer_path)):
+        return "model.hf_assets_path" if m.tokenizer_path == m.hf_assets_path else "model.tokenizer_path"
+    return None
+
+
 def _missing_tokenizer(m) -> str:
     """What to fix when the tokenizer could not be read: the key and folder named when it does not exist."""
-    if m.tokenizer_path and not os.path.exists(os.path.expanduser(m.tokenizer_path)):
-        key = "model.hf_assets_path" if m.tokenizer_path == m.hf_assets_path else "model.tokenizer_path"
+    key = _absent_tokenizer_key(m)
+    if key is not None:
         return (f"{key} {m.tokenizer_path!r} does not exist (from {os.getcwd()}): point it at the folder with "
                 "tokenizer.json, or set model.vocab_size")
     return "set model.tokenizer_path or model.vocab_size"
@@ -252,7 +260,7 @@ def check_config(config) -> None:
 def check_paths(config) -> None:
     """The tokenizer the run will read exists (stat only)."""
     m = config.model
-    if m.tokenizer_path and not os.path.exists(os.path.expanduser(m.tokenizer_path)):
-        key = "model.hf_assets_path" if m.tokenizer_path == m.hf_assets_path else "model.tokenizer_path"
+    key = _absent_tokenizer_key(m)
+    if key is not None:
         raise ConfigError(f"{key}: no such file or folder {m.tokenizer_path!r} (a folder with tokenizer.json, "
                           "or a tokenizer file)")
