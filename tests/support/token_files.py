@@ -57,7 +57,7 @@ def write_mmidx(prefix: str, docs: Sequence[np.ndarray], dtype=np.uint16, *, ver
     codes = {np.uint8: 1, np.int8: 2, np.int16: 3, np.int32: 4, np.int64: 5, np.uint16: 8}
     item = np.dtype(dtype).itemsize
     lengths = np.array([len(d) for d in docs], dtype=np.int32)
-    pointers = np.concatenate([[0], np.cumsum(lengths.astype(np.int64) * item)[:-1]]).astype(np.int64)
+    pointers = (np.cumsum(lengths.astype(np.int64) * item) - lengths.astype(np.int64) * item).astype(np.int64)
     with open(prefix + ".bin", "wb") as f:
         for d in docs:
             f.write(np.asarray(d, dtype=dtype).tobytes())
