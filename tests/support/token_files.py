@@ -8,14 +8,40 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import struct
-import warnings
+import sys
+import types
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and \
-    importlib.util.find_spec("megatron.core") is not None
+HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None
+
+
+def megatron_builder():
+    """megatron-core's IndexedDatasetBuilder, loaded from its own module file. ``import megatron.core`` runs the
+    package's __init__, which imports its model-parallel layers (5-30 s on a loaded 2-core machine); the
+    builder's module needs none of it: it is loaded under bare package stand-ins (and megatron.core.utils'
+    logging helper taken from megatron.core._rank_utils), which are removed again afterwards."""
+    root = Path(importlib.util.find_spec("megatron").submodule_search_locations[0])
+    names = ("megatron", "megatron.core", "megatron.core.datasets", "megatron.core.utils")
+    saved = {n: sys.modules.get(n) for n in names}
+    try:
+        for name, folder in zip(names[:3], (root, root / "core", root / "core" / "datasets")):
+            pkg = types.ModuleType(name)
+            pkg.__path__ = [str(folder)]
+            sys.modules[name] = pkg
+        from megatron.core._rank_utils import log_single_rank
+
+        utils = types.ModuleType("megatron.core.utils")
+        utils.log_single_rank = log_single_rank
+        sys.modules["megatron.core.utils"] = utils
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    finally:
+        for name in [n for n in sys.modules if n == "megatron" or n.startswith("megatron.")]:
+            del sys.modules[name]
+        sys.modules.update({n: m for n, m in saved.items() if m is not None})
+    return IndexedDatasetBuilder
 
 
 def documents(n: int, *, seed: int = 0, vocab: int = 2048, eos: int = 1, min_len: int = 3, max_len: int = 90,
@@ -38,10 +64,7 @@ def write_megatron(prefix: str | Path, docs: Sequence[np.ndarray], dtype=np.uint
     if HAVE_MEGATRON:
         import torch
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-        builder = IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
+        builder = megatron_builder()(prefix + ".bin", dtype=dtype)
         for doc in docs:
             builder.add_item(torch.from_numpy(np.asarray(doc, dtype=np.int64)))
             builder.end_document()
