@@ -5,6 +5,7 @@ RecordBatchFileWriter (fms-fsdp's one record batch per document, or a list colum
 
 from __future__ import annotations
 
+import functools
 import gzip
 import importlib.util
 import struct
@@ -18,6 +19,10 @@ import numpy as np
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None
 
 
+ASSETS = Path(__file__).resolve().parents[1] / "assets" / "token_files"
+
+
+@functools.lru_cache(maxsize=1)
 def megatron_builder():
     """megatron-core's IndexedDatasetBuilder, loaded from its own module file. ``import megatron.core`` runs the
     package's __init__, which imports its model-parallel layers (5-30 s on a loaded 2-core machine); the
@@ -151,3 +156,17 @@ def write_all(folder: Path, docs: Sequence[np.ndarray], files: int = 2) -> dict[
                 write_arrow(sub / f"part{i}.arrow", part)
         out[kind] = sub
     return out
+
+
+def asset_documents() -> list[np.ndarray]:
+    """The documents of tests/assets/token_files (the multi-process and launcher runs read them)."""
+    return documents(400, seed=11, max_len=100)
+
+
+def write_assets(folder: Path = ASSETS) -> dict[str, Path]:
+    """(Re)write tests/assets/token_files: ``python -m tests.support.token_files``."""
+    return write_all(folder, asset_documents())
+
+
+if __name__ == "__main__":
+    print(write_assets())

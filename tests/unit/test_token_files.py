@@ -230,23 +230,38 @@ def test_a_damaged_file_stops_training_with_exit_code_4(tmp_path, monkeypatch):
     assert rc == 4 and "document 4 holds token id 9999" in log and "Traceback" not in log, log[-3000:]
 
 
+RUN = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--data.num_shards", "4",
+       "--debug.deterministic", "--lr_scheduler.decay_type", "constant"]
+
+
 @pytest.fixture(scope="module")
 def losses(formats, tmp_path_factory, mp) -> dict[str, dict[int, float]]:
+    """10 steps on each format; then megatron again, stopped after 5 steps and resumed to 10."""
     out = {}
     root = tmp_path_factory.mktemp("runs")
     for name in ("megatron", "numpy", "arrow"):
-        rc, log = train_in_process(root / name, "--training.steps", "10", "--training.seq_len", "32",
-                                   "--training.local_batch_size", "2", "--data.num_shards", "4",
-                                   "--debug.deterministic", "--training.dataset", name,
+        rc, log = train_in_process(root / name, "--training.steps", "10", *RUN, "--training.dataset", name,
                                    "--training.dataset_path", str(formats[name]), monkeypatch=mp)
         assert rc == 0, log[-3000:]
         out[name] = {r["step"]: r["loss"] for r in read_metrics(root / name)}
+    for steps in (5, 10):
+        rc, log = train_in_process(root / "resumed", "--training.steps", str(steps), *RUN, "--checkpoint.enable",
+                                   "--checkpoint.interval", "5", "--checkpoint.last_save_model_only", "false",
+                                   "--training.dataset", "megatron", "--training.dataset_path",
+                                   str(formats["megatron"]), monkeypatch=mp)
+        assert rc == 0, log[-3000:]
+    out["resumed"] = {r["step"]: r["loss"] for r in read_metrics(root / "resumed")}
     return out
 
 
 def test_three_formats_give_bitwise_equal_losses_for_ten_steps(losses):
     assert sorted(losses["megatron"]) == list(range(1, 11))
     assert losses["megatron"] == losses["numpy"] == losses["arrow"]
+
+
+def test_train_stop_resume_is_bitwise(losses):
+    assert sorted(losses["resumed"]) == list(range(1, 11))
+    assert losses["resumed"] == losses["megatron"]
 
 
 def test_megatron_fixture_is_the_real_builder_or_the_same_bytes(tmp_path):
@@ -266,3 +281,16 @@ def test_sidecar_out_of_bounds_is_a_data_error(tmp_path, tokenizer):
     with pytest.raises(DataError, match="sidecar belongs to another file"):
         ld = loader(path, "numpy", tokenizer, **{"data.num_shards": 1})
         next(ld)
+
+
+def test_the_committed_assets_are_what_the_writers_write(tmp_path):
+    """tests/assets/token_files (read by the multi-process and launcher runs) is the writers' output for
+    asset_documents(): regenerate with ``python -m tests.support.token_files`` when the writers change."""
+    from tests.support.token_files import ASSETS, write_assets
+
+    fresh = write_assets(tmp_path)
+    for kind, folder in fresh.items():
+        names = sorted(p.name for p in folder.iterdir())
+        assert names == sorted(p.name for p in (ASSETS / kind).iterdir()), kind
+        for name in names:
+            assert (folder / name).read_bytes() == (ASSETS / kind / name).read_bytes(), (kind, name)
