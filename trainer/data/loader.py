@@ -79,8 +79,8 @@ def build_plan(config, tokenizer, specs: list[SourceSpec], weights: list[float],
         chosen = run_separator(config, tokenizer)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if chosen.note:
-        logger.info(chosen.note)
+    if chosen.note and not all(s.kind in ("megatron", "numpy") for s in specs):
+        logger.info(chosen.note)  # (token files are trained as stored: the separator does not apply to them)
     separator, sep_id = chosen.name, chosen.token_id
     seed = data_seed(config)
     fingerprint = tokenizer_fingerprint(tokenizer) if any(s.kind == "tokens" for s in specs) else {}

@@ -82,7 +82,8 @@ class _TokenFileSource(Source):
     def load(self, unit, coord, next_coord, payload):
         tokens = self._doc(unit, coord)
         if tokens is not None and len(tokens) and self.opts.vocab_size:
-            top, low = int(tokens.max()), int(tokens.min())
+            top = int(tokens.max())
+            low = int(tokens.min()) if tokens.dtype.kind == "i" else 0  # unsigned: one pass
             if top >= self.opts.vocab_size or low < 0:
                 bad = top if top >= self.opts.vocab_size else low
                 raise DataError(f"{self.units[unit]}: document {coord} holds token id {bad}, outside the model's "
@@ -165,7 +166,9 @@ def read_megatron_index(idx: str) -> dict:
     lengths = np.memmap(idx, np.int32, "r", o, (n_seq,)) if n_seq else np.zeros(0, np.int32)
     pointers = np.memmap(idx, np.int64, "r", o + 4 * n_seq, (n_seq,)) if n_seq else np.zeros(0, np.int64)
     docs = np.memmap(idx, np.int64, "r", o + 12 * n_seq, (n_doc,)) if n_doc else np.zeros(0, np.int64)
-    return {"dtype": np.dtype(MEGATRON_DTYPES[code]), "lengths": lengths, "pointers": pointers, "docs": docs}
+    # Plain arrays over the maps: indexing an np.memmap element by element goes through its Python __getitem__.
+    return {"dtype": np.dtype(MEGATRON_DTYPES[code]), "lengths": lengths.view(np.ndarray),
+            "pointers": pointers.view(np.ndarray), "docs": docs.view(np.ndarray)}
 
 
 def _check_megatron_pair(prefix: str, index: dict) -> bool:
