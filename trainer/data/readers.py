@@ -86,9 +86,10 @@ class _TokenFileSource(Source):
             low = int(tokens.min()) if tokens.dtype.kind == "i" else 0  # unsigned: one pass
             if top >= self.opts.vocab_size or low < 0:
                 bad = top if top >= self.opts.vocab_size else low
+                hint = " (a raw .npy of another type: set data.numpy_dtype)" if self.kind == "numpy" else ""
                 raise DataError(f"{self.units[unit]}: document {coord} holds token id {bad}, outside the model's "
                                 f"vocabulary of {self.opts.vocab_size}; the file was written with another tokenizer "
-                                "(model.tokenizer_path) or is damaged")
+                                f"(model.tokenizer_path){hint} or is damaged")
         return tokens
 
     def decode(self, payload):
