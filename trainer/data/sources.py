@@ -11,7 +11,8 @@ Documents come out raw (``payload``) and are decoded lazily by ``decode`` into `
 
 The pre-tokenized format written by ``prepare`` keeps the original coordinates of every document, so a
 ``tokens`` source splits into shards and blocks exactly as the text it came from: the same config gives
-the same sequences on either path.
+the same sequences on either path. Token files written by other trainers (megatron, numpy, token
+columns of arrow files) are read by readers.py, which also holds ``build_source``.
 """
 
 from __future__ import annotations
