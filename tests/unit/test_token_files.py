@@ -333,3 +333,15 @@ def test_null_rows_are_skipped_and_counted(tmp_path, tokenizer):
     stats = ld.stats
     ld.close()
     assert stats["skipped_malformed"] >= 1 and stats["last_skipped"]["at"] == 3
+
+
+def test_token_files_as_the_validation_source(formats, tokenizer):
+    from trainer.data.loader import build_val_loader
+
+    config = make_config(**{"validation.enable": True, "validation.dataset": "megatron",
+                            "validation.dataset_path": str(formats["megatron"] / "part1_text_document"),
+                            "training.seq_len": 32, "validation.local_batch_size": 4})
+    batches = list(build_val_loader(config, tokenizer, dp_rank=0, dp_world_size=1))
+    half = sum(len(d) for d in DOCS[len(DOCS) // 2:])
+    assert len(batches) == (half // 33) // 4
+    assert batches[0]["input"][0].tolist() == np.concatenate(DOCS[len(DOCS) // 2:])[:32].tolist()
