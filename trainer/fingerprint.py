@@ -26,9 +26,20 @@ def sequence_fingerprint(inputs, labels) -> int:
     """Wrapping sum of per-sequence hashes of [input tokens..., last label] for a [B, S] batch (numpy
     arrays or CPU tensors). Computed in numpy int64, which wraps like torch's, so the training thread never
     reads a tensor through torch's dispatcher."""
-    seqs = np.concatenate([np.asarray(inputs), np.asarray(labels)[:, -1:]], axis=1).astype(np.int64) + 1
+    return window_fingerprint(np.concatenate([np.asarray(inputs), np.asarray(labels)[:, -1:]], axis=1))
+
+
+def window_fingerprint(windows: np.ndarray) -> int:
+    """The same fingerprint from the [B, S + 1] token windows a batch is cut from (inputs are [:, :-1], labels
+    [:, 1:]): no copy when they are int64 already."""
+    seqs = np.asarray(windows)
+    if seqs.dtype != np.int64:
+        seqs = seqs.astype(np.int64)
+    w = _weights(seqs.shape[1])
     with np.errstate(over="ignore"):
-        per_seq = (seqs * _weights(seqs.shape[1])).sum(axis=1)
+        # sum((t + 1) * w) = sum(t * w) + sum(w), wrapping modulo 2**64 either way (einsum: one pass, no
+        # temporary array).
+        per_seq = np.einsum("ij,j->i", seqs, w) + w.sum()
         # Mix the per-sequence values so that equal token multisets in different sequences differ.
         per_seq = per_seq * 0x9E3779B1 + (per_seq >> 29)
         return wrap_int64(int(per_seq.sum()))

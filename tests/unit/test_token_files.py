@@ -85,6 +85,32 @@ def test_the_same_documents_give_the_same_batches_in_every_format(formats, token
             assert torch.equal(a["input"], b["input"]) and torch.equal(a["doc_ids"], b["doc_ids"]), name
 
 
+@pytest.mark.parametrize("name", ["megatron", "numpy_sidecar", "arrow", "arrow_rows"])
+def test_packing_whole_blocks_matches_reading_document_by_document(formats, tokenizer, monkeypatch, name):
+    """The loader packs runs of checked token-file documents at once (pipeline.Packer._fill); reading every
+    document through DocumentTokenizer.next instead gives the same batches and the same states (positions,
+    counters) after every micro-batch. Short windows and long ones (documents of ~100 tokens)."""
+    from trainer.data import pipeline
+
+    for seq_len in (32, 400):
+        extra = {"training.seq_len": seq_len, "data.document_positions": True, "data.shuffle_window": 50}
+        runs = []
+        for whole_blocks in (True, False):
+            if not whole_blocks:
+                monkeypatch.setattr(pipeline, "_layout", lambda *a, **k: None)
+            ld = loader(formats[name], kind_of(name), tokenizer, **extra)
+            got = []
+            for _ in range(14):
+                batch = next(ld)
+                got.append(({k: v.clone() for k, v in batch.items()}, batch.fingerprint, ld.state_dict()))
+            ld.close()
+            runs.append(got)
+            monkeypatch.undo()
+        for (a, fa, sa), (b, fb, sb) in zip(*runs):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (name, seq_len)
+            assert fa == fb and sa == sb, (name, seq_len)
+
+
 def test_documents_are_read_as_stored(formats, tokenizer):
     config = make_config(**{"data.num_shards": 1, "data.shuffle": False, "training.seq_len": 32})
     from trainer.data.loader import build_plan

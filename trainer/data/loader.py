@@ -39,7 +39,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from trainer.data.prefetch import Prefetcher
 from trainer.errors import ConfigError, DataStateError
 from trainer.data.checks import batch_geometry
-from trainer.fingerprint import sequence_fingerprint
+from trainer.fingerprint import window_fingerprint
 from trainer.data.pipeline import STAT_KEYS, DataPlan, ShardStream, Window
 from trainer.data.readers import build_source
 from trainer.data.sources import DataError, SourceOptions, SourceSpec, training_specs, validation_spec
@@ -131,10 +131,12 @@ def model_vocab(config, tokenizer) -> int:
 # --------------------------------------------------------------------------------------------------
 
 
-def collate_arrays(windows: list[Window], plan: DataPlan) -> dict[str, np.ndarray]:
+def collate_arrays(windows: list[Window], plan: DataPlan, tokens: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Stack windows into a micro-batch of int64 arrays: input/labels [B, seq_len] (labels = input
-    shifted by one), positions [B, seq_len], and the debugging arrays."""
-    tokens = np.stack([w.tokens for w in windows])
+    shifted by one), positions [B, seq_len], and the debugging arrays. ``tokens``: the windows' tokens
+    stacked already."""
+    if tokens is None:
+        tokens = np.stack([w.tokens for w in windows])
     batch = {"input": np.ascontiguousarray(tokens[:, :-1]), "labels": np.ascontiguousarray(tokens[:, 1:])}
     if plan.positions:
         batch["positions"] = np.ascontiguousarray(np.stack([w.positions for w in windows])[:, :-1])
@@ -175,9 +177,11 @@ class _RankDataset(IterableDataset):
         self._streams: dict[int, ShardStream] = {}
         self._replayed = 0  # sequences generated only to skip them (shards shared between workers)
 
-    # Stateful protocol: StatefulDataLoader snapshots this after every micro-batch a worker produces.
-    # The state travels as one JSON string: StatefulDataLoader flattens nested states key by key to
-    # diff them and rebuilds them after every batch, which costs milliseconds for a few hundred keys.
+    # Stateful protocol (StatefulDataLoader.state_dict, on demand). TrainLoader does not use it: every
+    # micro-batch carries the states of the shards it came from (see __iter__), which is exactly the state
+    # after that micro-batch, wherever and however far ahead it was made, and costs a few small dicts
+    # instead of a snapshot of the whole loader after every micro-batch. The state travels as one JSON
+    # string: StatefulDataLoader flattens nested states key by key to diff them.
     def state_dict(self) -> dict:
         state = {"shards": {str(j): s.state_dict() for j, s in self._streams.items()}, "replayed": self._replayed}
         return {_STATE_KEY: json.dumps(state, separators=(",", ":"))}
@@ -204,40 +208,27 @@ class _RankDataset(IterableDataset):
         self._streams, self._replayed = {}, 0
         first = int(self.start["sequences"])
         micro = worker
+        width = self.plan.seq_len + 1
         while True:
-            windows = []
-            for local in range(first + micro * b, first + (micro + 1) * b):
+            windows, touched = [], {}
+            tokens = np.empty((b, width), dtype=np.int64)  # the windows are packed into their rows
+            for row, local in enumerate(range(first + micro * b, first + (micro + 1) * b)):
                 i = world * local + rank  # global sequence number
-                stream, n = self._stream(i % n_shards), i // n_shards
+                j = i % n_shards
+                stream, n = self._stream(j), i // n_shards
                 if stream.n > n:
-                    raise DataError(f"data state of shard {i % n_shards} is ahead of the loader ({stream.n} > {n})")
+                    raise DataError(f"data state of shard {j} is ahead of the loader ({stream.n} > {n})")
                 while stream.n < n:  # only when loader workers share a shard (see the module docstring)
                     stream.next()
                     self._replayed += 1
-                windows.append(stream.next())
+                windows.append(stream.next(tokens[row]))
+                touched[j] = stream
             micro += num_workers
-            yield collate_arrays(windows, self.plan)
-
-
-def _find_dataset_states(obj: Any) -> list[dict]:
-    """The _RankDataset states inside a StatefulDataLoader state (one per worker, or the in-process one)."""
-    found = []
-    if isinstance(obj, dict):
-        for key, value in obj.items():
-            if key == _STATE_KEY and isinstance(value, str):
-                found.append(json.loads(value))
-            else:
-                found.extend(_find_dataset_states(value))
-    return found
-
-
-def _merge_shards(base: dict, newer: list[dict]) -> dict:
-    shards = copy.deepcopy(base)
-    for state in newer:
-        for j, st in state["shards"].items():
-            if j not in shards or st["n"] >= shards[j]["n"]:
-                shards[j] = copy.deepcopy(st)
-    return shards
+            # The micro-batch, its fingerprint, and the states after it of the shards it came from (fresh
+            # dicts: nothing the stream changes later), with this worker's replay counter.
+            states = {str(j): st.state_dict() for j, st in touched.items()}
+            yield (collate_arrays(windows, self.plan, tokens), window_fingerprint(tokens),
+                   (worker, self._replayed, states))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -270,7 +261,11 @@ class TrainLoader:
         self._loader = None
         self._iter = None
         self._prefetcher: Prefetcher | None = None
-        self._consumed_shards: list[dict] = []  # the loader's shard states after the last batch handed out
+        # The states of the shards read since the start, as of the last micro-batch handed out that read each
+        # (shards advance with the micro-batch number, so that is each one's newest), and the replay counter
+        # of each loader worker.
+        self._consumed_shards: dict[str, dict] = {}
+        self._replayed: dict[int, int] = {}
         self._yielded = 0
 
     @staticmethod
@@ -287,7 +282,9 @@ class TrainLoader:
     def __next__(self) -> MicroBatch:
         if self._iter is None:
             self._start_loader()
-        batch, self._consumed_shards = self._prefetcher.get() if self._prefetcher else self._produce()
+        batch, (worker, replayed, shards) = self._prefetcher.get() if self._prefetcher else self._produce()
+        self._consumed_shards.update(shards)
+        self._replayed[worker] = replayed
         self._yielded += 1
         return batch
 
@@ -301,21 +298,21 @@ class TrainLoader:
             kwargs.update(prefetch_factor=self.prefetch_factor, persistent_workers=False)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata 0.11 on torch >= 2.9
+            # No snapshots: each micro-batch brings its own state (see _RankDataset.state_dict).
             self._loader = StatefulDataLoader(dataset, batch_size=None, num_workers=self.num_workers,
-                                              collate_fn=_keep, snapshot_every_n_steps=1, **kwargs)
+                                              collate_fn=_keep, snapshot_every_n_steps=0, **kwargs)
             self._iter = iter(self._loader)
         self._yielded = 0
         if self.prefetch_batches > 0:
             self._prefetcher = Prefetcher(self._produce, self.prefetch_batches)
 
-    def _produce(self) -> tuple[MicroBatch, list[dict]]:
-        """The next micro-batch (tensors, pinned if asked, with its fingerprint) and the shard states after
-        it (runs on the prefetch thread when there is one)."""
-        arrays = next(self._iter)
-        shards = _find_dataset_states(self._loader.state_dict())
+    def _produce(self) -> tuple[MicroBatch, tuple]:
+        """The next micro-batch (tensors, pinned if asked, with its fingerprint) and what it brings of the
+        state (runs on the prefetch thread when there is one)."""
+        arrays, fingerprint, update = next(self._iter)
         batch = MicroBatch(to_tensors(arrays, self.pin_memory))
-        batch.fingerprint = sequence_fingerprint(arrays["input"], arrays["labels"])
-        return batch, shards
+        batch.fingerprint = fingerprint
+        return batch, update
 
     def close(self) -> None:
         """Stop the worker processes (the next ``next()`` starts them again from the current state)."""
@@ -328,7 +325,7 @@ class TrainLoader:
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._prefetcher = None
-        self._consumed_shards = []
+        self._consumed_shards, self._replayed = {}, {}
         self._iter = None
         self._loader = None
         self._yielded = 0
@@ -337,11 +334,8 @@ class TrainLoader:
 
     def state_dict(self) -> dict:
         """This rank's position: local sequences consumed and the state of each of its shards."""
-        shards = self._start["shards"]
-        if self._yielded:
-            shards = _merge_shards(shards, self._consumed_shards)
-        else:
-            shards = copy.deepcopy(shards)
+        shards = copy.deepcopy(self._start["shards"])
+        shards.update(copy.deepcopy(self._consumed_shards))
         return {
             "format": STATE_FORMAT, "kind": "rank", "fingerprint": self.plan.fingerprint(),
             "num_shards": self.plan.num_shards, "dp_rank": self.dp_rank, "dp_world_size": self.dp_world_size,
@@ -397,9 +391,7 @@ class TrainLoader:
         state = self.state_dict()
         owned = [j for j in range(self.plan.num_shards) if j % self.dp_world_size == self.dp_rank]
         stats = aggregate_stats(state["shards"], self.plan, owned)
-        replayed = 0
-        if self._loader is not None and self._yielded:
-            replayed = sum(s.get("replayed", 0) for s in _find_dataset_states(self._loader.state_dict()))
+        replayed = sum(self._replayed.values())
         # Sequences generated and thrown away to reach a shard's position: 0 unless loader workers share
         # shards (see build_train_loader's warning) or a state lacked a shard.
         stats["replayed_sequences"] = replayed

@@ -15,7 +15,7 @@ document, and the state stays a few integers whatever seq_len or document sizes 
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -101,6 +101,7 @@ class DocumentReader:
 
     def _drop_cache(self):
         self._block = None
+        self._fast: _Layout | None = None
         self._order_epoch: int | None = None
 
     def where(self) -> dict:
@@ -149,11 +150,22 @@ class DocumentReader:
             finally:
                 gen.close()
         self._block, self._block_unit = docs, unit
+        # Token files: the whole block's ids checked against the vocabulary at once (else per document).
+        self._checked = bool(docs) and src.verbatim and hasattr(src, "check_block") and src.check_block(
+            unit, docs[0][0], docs[-1][0])
         self._block_next = docs[-1][1] if full else None  # None: the part ends with this block
         if plan.shuffle and len(docs) > 1:
             self._perm = _rng(plan.seed, src.index, self.shard, self.epoch, unit, start, 2).permutation(len(docs))
         else:
             self._perm = np.arange(len(docs))
+        self._fast = _layout(src, plan, unit, docs[0][0], self._perm) if self._checked else None
+
+    def fast_block(self) -> _Layout | None:
+        """The current block's layout when its remaining documents can be packed without going through
+        ``next`` one by one (see Packer._fill)."""
+        if self._fast is not None and self._block is not None and self.block_index < len(self._block):
+            return self._fast
+        return None
 
     def next(self) -> tuple[int, Any]:
         """(document id, payload) of the next document; StopIteration after plan.max_epochs epochs."""
@@ -168,6 +180,8 @@ class DocumentReader:
                 self.epoch_docs += 1
                 unit = self._block_unit
                 self.last = (unit, coord)
+                if self._checked:
+                    return self.source.uid(unit, coord, self.shard), self.source.load_unchecked(unit, coord)
                 return (self.source.uid(unit, coord, self.shard),
                         self.source.load(unit, coord, next_coord, payload))
             # Block used up: the next block of this part, else the next unit, else the next epoch.
@@ -220,20 +234,24 @@ class DocumentTokenizer:
         """(reader state just before the document, document id, tokens with the separator)."""
         plan, stats = self.plan, self.stats
         first_epoch = self.reader.epoch
+        verbatim = self.reader.source.verbatim
         while True:
             before = self.reader.state_dict()
             uid, payload = self.reader.next()
-            status, obj = self.reader.source.decode(payload)
-            if status == OK:
-                stripped = 0
-                if isinstance(obj, tuple):  # (tokens, status byte) from a prepared dataset
-                    obj, flags = obj
-                    stripped = bool(flags & STRIPPED_LEADING) + bool(flags & STRIPPED_TRAILING)
-                ids, stripped = self._tokens(obj, stripped)
-                if ids is None:
-                    status = UNDECODABLE
-                elif len(ids) == 0:
-                    status = EMPTY
+            if verbatim and payload is not None and len(payload):  # a stored token array: nothing to decode
+                ids, stripped, status = payload, 0, OK
+            else:
+                status, obj = self.reader.source.decode(payload)
+                if status == OK:
+                    stripped = 0
+                    if isinstance(obj, tuple):  # (tokens, status byte) from a prepared dataset
+                        obj, flags = obj
+                        stripped = bool(flags & STRIPPED_LEADING) + bool(flags & STRIPPED_TRAILING)
+                    ids, stripped = self._tokens(obj, stripped)
+                    if ids is None:
+                        status = UNDECODABLE
+                    elif len(ids) == 0:
+                        status = EMPTY
             if status != OK:
                 if count:
                     stats[_SKIP_KEY[status]] += 1
@@ -254,7 +272,7 @@ class DocumentTokenizer:
                 ids = ids[: plan.max_document_tokens]
                 if count:
                     stats["truncated_documents"] += 1
-            doc = self._stored(ids, count) if self.reader.source.verbatim else self._separated(ids)
+            doc = self._stored(ids, count) if verbatim else self._separated(ids)
             if count:
                 stats["documents"] += 1
                 stats["tokens"] += len(doc)
@@ -283,6 +301,48 @@ class DocumentTokenizer:
         if self.plan.append_eos:
             return np.append(ids.astype(np.int64), eos)
         return ids
+
+
+class _Layout(NamedTuple):
+    """A block of token-file documents in reading order, every one checked and non-empty: document i is
+    ``base[starts[i]:starts[i] + lens[i]]`` (or ``views[i]``); cumulative sums of lengths and of the counters
+    they add, so a run of documents is counted with two lookups."""
+
+    # (lists of Python ints: indexed one element at a time)
+    base: np.ndarray | None
+    views: list | None
+    starts: list | None
+    lens: list
+    coords: list  # document numbers in the file
+    cum: list
+    cum_no_eos: list
+    cum_long: list
+
+
+def _layout(src: Source, plan: DataPlan, unit: int, first: int, perm: np.ndarray) -> _Layout | None:
+    """The layout of a block of documents first.. (file order) read in ``perm`` order, or None where the
+    documents must go one by one (a null or empty document, truncation, EOS to append, no known layout)."""
+    found = src.layout(unit, first, first + len(perm)) if hasattr(src, "layout") else None
+    if found is None:
+        return None
+    base, starts, lens = found
+    lens = np.asarray(lens, dtype=np.int64)[perm]
+    if int(lens.min()) <= 0 or (plan.max_document_tokens and int(lens.max()) > plan.max_document_tokens):
+        return None
+    views = None
+    if starts is None:
+        views, base = [base[i] for i in perm], None
+        last = np.fromiter((v[-1] for v in views), dtype=np.int64, count=len(views))
+    else:
+        starts = np.asarray(starts, dtype=np.int64)[perm]
+        last = base[starts + lens - 1]
+    no_eos = (last != plan.eos_id) if plan.eos_id is not None else np.zeros(len(lens), dtype=bool)
+    if plan.append_eos and no_eos.any():
+        return None
+    long = lens > plan.long_document_windows * (plan.seq_len + 1)
+    return _Layout(base, views, None if starts is None else starts.tolist(), lens.tolist(),
+                   (first + np.asarray(perm, dtype=np.int64)).tolist(), np.cumsum(lens).tolist(),
+                   np.cumsum(no_eos).tolist(), np.cumsum(long).tolist())
 
 
 class Window(NamedTuple):
@@ -336,16 +396,23 @@ class Packer:
     def epoch(self) -> int:
         return int(self._pending["reader"]["epoch"]) if self._pending is not None else self.docs.reader.epoch
 
-    def next_window(self, source: int, shard: int) -> Window:
+    def next_window(self, source: int, shard: int, out: np.ndarray | None = None) -> Window:
+        """The next window; its tokens are written into ``out`` (int64, seq_len + 1) when given."""
         if self._pending is not None:
             self._restore()
         plan, width = self.plan, self.width
-        tokens = np.empty(width, dtype=np.int64)  # documents are copied (and widened) into the window once
+        # Documents are copied (and widened) into the window once.
+        tokens = np.empty(width, dtype=np.int64) if out is None else out
         positions = np.empty(width, dtype=np.int64) if plan.positions or plan.debug else None
         uids = np.empty(width, dtype=np.int64) if plan.debug else None
         filled = 0
+        reader = self.docs.reader
         while filled < width:
             if self._cur is None:
+                layout = reader.fast_block()
+                if layout is not None:
+                    filled = self._fill(layout, tokens, positions, uids, filled)
+                    continue
                 self._cur, self._offset = self.docs.next(), 0
             _, uid, doc = self._cur
             off = self._offset
@@ -361,6 +428,50 @@ class Packer:
                 self._cur, self._offset = None, 0
         self.sequences += 1
         return Window(tokens, positions, uids, source, shard)
+
+    def _fill(self, layout: _Layout, tokens, positions, uids, filled: int) -> int:
+        """Fill the window from the reader's block, starting at its next document, as far as the block or
+        the window goes: what ``docs.next()`` document by document would do (the same tokens, reader
+        position, counters and current document), with one copy per document and no per-document state."""
+        reader, stats = self.docs.reader, self.docs.stats
+        cum, lens, coords = layout.cum, layout.lens, layout.coords
+        i = reader.block_index
+        done = cum[i - 1] if i else 0  # tokens of the block's documents before i
+        end = done + self.width - filled
+        k = bisect_left(cum, end)  # the document the window ends in
+        if k >= len(lens):
+            k, take_k = len(lens) - 1, lens[-1]
+        else:
+            take_k = end - (cum[k - 1] if k else 0)
+        unit, src, base, starts, views = reader._block_unit, reader.source, layout.base, layout.starts, layout.views
+        for j in range(i, k + 1):
+            take = take_k if j == k else lens[j]
+            if base is not None:
+                a = starts[j]
+                tokens[filled:filled + take] = base[a:a + take]
+            else:
+                tokens[filled:filled + take] = views[j][:take]
+            if positions is not None:
+                positions[filled:filled + take] = np.arange(take)
+            if uids is not None:
+                uids[filled:filled + take] = src.uid(unit, coords[j], reader.shard)
+            filled += take
+        # Documents i..k are read now: counted as docs.next() counts them.
+        stats["documents"] += k - i + 1
+        stats["tokens"] += cum[k] - done
+        for key, c in (("documents_without_eos", layout.cum_no_eos), ("long_documents", layout.cum_long)):
+            stats[key] += c[k] - (c[i - 1] if i else 0)
+        reader.epoch_docs += k - i
+        reader.block_index = k
+        reader.last = (unit, coords[k])
+        if take_k < lens[k]:  # document k goes on in the next window
+            before = reader.state_dict()
+            uid = src.uid(unit, coords[k], reader.shard)
+            doc = base[starts[k]:starts[k] + lens[k]] if base is not None else views[k]
+            self._cur, self._offset = (before, uid, doc), take_k
+        reader.block_index += 1
+        reader.epoch_docs += 1
+        return filled
 
 
 def _copy_state(sd: dict) -> dict:
@@ -420,9 +531,9 @@ class ShardStream:
         self.k += 1
         return bisect_right(self._thresholds, u)
 
-    def next(self) -> Window:
+    def next(self, out: np.ndarray | None = None) -> Window:
         source = self.choose()
-        window = self.packer(source).next_window(source, self.shard)
+        window = self.packer(source).next_window(source, self.shard, out)
         self.n += 1
         return window
 

@@ -97,6 +97,36 @@ class _TokenFileSource(Source):
             return MALFORMED, None
         return (OK, payload) if len(payload) else (EMPTY, None)
 
+    def check_block(self, unit: int, first: int, last: int) -> bool:
+        """True when every token of documents first..last (numbers in the file) is inside the model's
+        vocabulary, found with one pass over a stretch of the file that holds them all; the reader then
+        loads them with ``load_unchecked``. False (a bad id somewhere, or no such stretch) leaves the check
+        to ``load``, document by document, which names the document."""
+        if not self.opts.vocab_size:
+            return True
+        span = self._span(unit, first, last + 1)
+        if span is None:
+            return False
+        if not len(span):
+            return True
+        if int(span.max()) >= self.opts.vocab_size:
+            return False
+        return span.dtype.kind != "i" or int(span.min()) >= 0
+
+    def load_unchecked(self, unit: int, coord: int) -> np.ndarray | None:
+        """A document of a block that check_block passed."""
+        return self._doc(unit, coord)
+
+    def _span(self, unit: int, lo: int, hi: int) -> np.ndarray | None:
+        """A view of the file holding the tokens of documents lo..hi-1 (and maybe others), or None."""
+        return None
+
+    def layout(self, unit: int, lo: int, hi: int) -> tuple[Any, np.ndarray, np.ndarray] | None:
+        """Where documents lo..hi-1 are, at once: (base array, starts, lengths), document d being
+        ``base[start:start + length]``, or (list of the documents' arrays, None, lengths); None when one of
+        them is null or the layout is not known (the reader then takes documents one by one)."""
+        return None
+
     def _doc(self, unit: int, d: int) -> np.ndarray | None:
         raise NotImplementedError
 
@@ -227,6 +257,28 @@ class MegatronSource(_TokenFileSource):
         parts = [m["tokens"][int(m["pointers"][s]) // item:][:int(m["lengths"][s])] for s in range(s0, s1)]
         return np.concatenate(parts)
 
+    def layout(self, unit, lo, hi):
+        if not self.contiguous[unit] or lo >= hi:
+            return None
+        m = self._unit(unit)
+        s0, s1 = m["docs"][lo:hi], m["docs"][lo + 1:hi + 1]
+        if np.any(s0 == s1):  # a document without sequences
+            return None
+        item = m["dtype"].itemsize
+        starts = m["pointers"][s0] // item
+        ends = m["pointers"][s1 - 1] // item + m["lengths"][s1 - 1]
+        return m["tokens"], starts, ends - starts
+
+    def _span(self, unit, lo, hi):
+        if not self.contiguous[unit]:
+            return None
+        m = self._unit(unit)
+        s0, s1 = int(m["docs"][lo]), int(m["docs"][hi])
+        if s0 == s1:
+            return m["tokens"][:0]
+        item = m["dtype"].itemsize
+        return m["tokens"][int(m["pointers"][s0]) // item:int(m["pointers"][s1 - 1]) // item + int(m["lengths"][s1 - 1])]
+
 
 # --------------------------------------------------------------------------------------------------
 # OLMo numpy token arrays
@@ -336,6 +388,17 @@ class NumpySource(_TokenFileSource):
     def _doc(self, unit, d):
         tokens, starts, ends = self._unit(unit)
         return tokens[int(starts[d]):int(ends[d])]
+
+    def layout(self, unit, lo, hi):
+        tokens, starts, ends = self._unit(unit)
+        return tokens, starts[lo:hi], ends[lo:hi] - starts[lo:hi]
+
+    def _span(self, unit, lo, hi):
+        tokens, starts, ends = self._unit(unit)
+        if lo >= hi:
+            return tokens[:0]
+        # (a sidecar's documents need not be in order or adjacent: the stretch from the first start to the last end)
+        return tokens[int(starts[lo:hi].min()):int(ends[lo:hi].max())]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -449,3 +512,47 @@ class ArrowSource(_TokenFileSource):
         if valid is not None and not valid[r]:
             return None
         return values[int(offsets[r]):int(offsets[r + 1])]
+
+    def check_block(self, unit, first, last):
+        if self.modes[unit] != "batches":
+            return super().check_block(unit, first, last)
+        if not self.opts.vocab_size:
+            return True
+        for d in range(first, last + 1):  # one record batch per document: no stretch of the file holds them all
+            tokens = self._doc(unit, d)
+            if tokens is not None and len(tokens) and (
+                    int(tokens.max()) >= self.opts.vocab_size or (tokens.dtype.kind == "i" and int(tokens.min()) < 0)):
+                return False
+        return True
+
+    def layout(self, unit, lo, hi):
+        if not self.verbatim or lo >= hi:
+            return None
+        if self.modes[unit] == "batches":
+            views = [self._doc(unit, d) for d in range(lo, hi)]
+            if any(v is None for v in views):
+                return None
+            return views, None, np.fromiter(map(len, views), dtype=np.int64, count=len(views))
+        u = self._unit(unit)
+        b = int(np.searchsorted(u["starts"], lo, side="right")) - 1
+        if hi > int(u["starts"][b + 1]):
+            return None
+        self._doc(unit, lo)
+        offsets, values, valid = u["columns"][b]
+        first = int(u["starts"][b])
+        if valid is not None and not valid[lo - first:hi - first].all():
+            return None
+        starts = offsets[lo - first:hi - first].astype(np.int64)
+        return values, starts, offsets[lo - first + 1:hi - first + 1] - starts
+
+    def _span(self, unit, lo, hi):
+        if self.modes[unit] != "rows" or lo >= hi:
+            return None
+        u = self._unit(unit)
+        b = int(np.searchsorted(u["starts"], lo, side="right")) - 1
+        if hi > int(u["starts"][b + 1]):
+            return None  # the documents lie in two record batches
+        self._doc(unit, lo)  # (caches the batch's offsets and values)
+        offsets, values, _ = u["columns"][b]
+        first = int(u["starts"][b])
+        return values[int(offsets[lo - first]):int(offsets[hi - first])]
