@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 _WEIGHTS: dict[int, np.ndarray] = {}
+_WEIGHT_SUMS: dict[int, np.int64] = {}
 
 
 def _weights(length: int) -> np.ndarray:
@@ -19,6 +20,8 @@ def _weights(length: int) -> np.ndarray:
         g = torch.Generator().manual_seed(0x5EED)
         weights = torch.randint(1, 2**31 - 1, (length,), generator=g, dtype=torch.int64) * 2 + 1
         _WEIGHTS[length] = weights.numpy()
+        with np.errstate(over="ignore"):
+            _WEIGHT_SUMS[length] = _WEIGHTS[length].sum()
     return _WEIGHTS[length]
 
 
@@ -39,7 +42,7 @@ def window_fingerprint(windows: np.ndarray) -> int:
     with np.errstate(over="ignore"):
         # sum((t + 1) * w) = sum(t * w) + sum(w), wrapping modulo 2**64 either way (einsum: one pass, no
         # temporary array).
-        per_seq = np.einsum("ij,j->i", seqs, w) + w.sum()
+        per_seq = np.einsum("ij,j->i", seqs, w) + _WEIGHT_SUMS[seqs.shape[1]]
         # Mix the per-sequence values so that equal token multisets in different sequences differ.
         per_seq = per_seq * 0x9E3779B1 + (per_seq >> 29)
         return wrap_int64(int(per_seq.sum()))

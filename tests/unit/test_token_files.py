@@ -267,6 +267,17 @@ def test_an_index_without_its_bin_stops_training_with_exit_code_4(tmp_path, monk
     assert rc == 4 and "lonely.bin is missing" in log and "Traceback" not in log, log[-3000:]
 
 
+def test_a_bad_id_is_named_by_the_loader_in_every_format(tmp_path, tokenizer):
+    """Blocks are checked at once; a bad id makes the loader check document by document and name it."""
+    big = [d.copy() for d in DOCS[:30]]
+    big[4][1] = 9999
+    for kind, path in write_all(tmp_path, big).items():
+        ld = loader(path, kind, tokenizer, **{"data.num_shards": 1, "data.shuffle": False})
+        with pytest.raises(DataError, match="document 4 holds token id 9999"):
+            draw(ld, 10)
+        ld.close()
+
+
 RUN = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--data.num_shards", "4",
        "--debug.deterministic", "--lr_scheduler.decay_type", "constant"]
 

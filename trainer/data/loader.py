@@ -30,7 +30,7 @@ import hashlib
 import json
 import logging
 import warnings
-from typing import Any, Iterator
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -293,15 +293,18 @@ class TrainLoader:
 
         dataset = _RankDataset(self.plan, self.dp_rank, self.dp_world_size, self.local_batch_size,
                                copy.deepcopy(self._start))
-        kwargs: dict[str, Any] = {}
-        if self.num_workers > 0:
-            kwargs.update(prefetch_factor=self.prefetch_factor, persistent_workers=False)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata 0.11 on torch >= 2.9
-            # No snapshots: each micro-batch brings its own state (see _RankDataset.state_dict).
-            self._loader = StatefulDataLoader(dataset, batch_size=None, num_workers=self.num_workers,
-                                              collate_fn=_keep, snapshot_every_n_steps=0, **kwargs)
-            self._iter = iter(self._loader)
+        if self.num_workers == 0:
+            # In this process: StatefulDataLoader would only hand the dataset's micro-batches through (its
+            # per-batch bookkeeping was a sixth of the loader's time on token files), so iterate the dataset.
+            self._loader, self._iter = None, iter(dataset)
+        else:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata 0.11 on torch >= 2.9
+                # No snapshots: each micro-batch brings its own state (see _RankDataset.state_dict).
+                self._loader = StatefulDataLoader(dataset, batch_size=None, num_workers=self.num_workers,
+                                                  collate_fn=_keep, snapshot_every_n_steps=0,
+                                                  prefetch_factor=self.prefetch_factor, persistent_workers=False)
+                self._iter = iter(self._loader)
         self._yielded = 0
         if self.prefetch_batches > 0:
             self._prefetcher = Prefetcher(self._produce, self.prefetch_batches)

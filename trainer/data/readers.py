@@ -277,7 +277,8 @@ class MegatronSource(_TokenFileSource):
         if s0 == s1:
             return m["tokens"][:0]
         item = m["dtype"].itemsize
-        return m["tokens"][int(m["pointers"][s0]) // item:int(m["pointers"][s1 - 1]) // item + int(m["lengths"][s1 - 1])]
+        end = int(m["pointers"][s1 - 1]) // item + int(m["lengths"][s1 - 1])
+        return m["tokens"][int(m["pointers"][s0]) // item:end]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -406,9 +407,9 @@ class NumpySource(_TokenFileSource):
 # --------------------------------------------------------------------------------------------------
 
 
-def _arrow_batches(pa, path: str) -> list:
+def _arrow_batches(pa, path: str, source=None) -> list:
     """The record batches of an Arrow IPC file (file or stream format), memory-mapped (nothing is copied)."""
-    source = pa.memory_map(path, "r")
+    source = pa.memory_map(path, "r") if source is None else source
     try:
         reader = pa.ipc.open_file(source)
         return [reader.get_batch(i) for i in range(reader.num_record_batches)]
@@ -435,6 +436,30 @@ def arrow_mode(pa, schema, path: str, opts: SourceOptions, key: str) -> str:
         return "text"
     raise ConfigError(f"{key}: {path} has neither a token column data.tokens_field={opts.tokens_field!r} nor a text "
                       f"column data.text_field={opts.text_field!r} (columns: {schema.names})")
+
+
+def _batch_tokens(source, batches: list, field: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """For a file of one document per record batch: (the file's tokens as one array over its memory map,
+    each document's start in it, its length), from where each batch's token buffer lies in the map; None when
+    a buffer is not in the map (compressed batches) or not aligned to the token type, or a document is null."""
+    if not batches:
+        return None
+    dtype = np.dtype(batches[0].schema.field(field).type.to_pandas_dtype())
+    source.seek(0)
+    raw = np.frombuffer(source.read_buffer(source.size()), dtype=np.uint8)  # the whole map, no copy
+    origin, size = raw.ctypes.data, len(raw)
+    starts, lens = np.empty(len(batches), dtype=np.int64), np.empty(len(batches), dtype=np.int64)
+    for i, batch in enumerate(batches):
+        column = batch.column(field)
+        if column.null_count:
+            return None
+        buf = column.buffers()[1]
+        at = buf.address - origin if buf is not None else 0
+        if buf is not None and (at < 0 or at + buf.size > size or at % dtype.itemsize):
+            return None
+        starts[i], lens[i] = at // dtype.itemsize + column.offset, len(column)
+    base = raw[:size - size % dtype.itemsize].view(dtype)
+    return base, starts, lens
 
 
 class ArrowSource(_TokenFileSource):
@@ -466,9 +491,12 @@ class ArrowSource(_TokenFileSource):
 
     def _unit(self, unit: int) -> dict:
         def opener(u):
-            batches = _arrow_batches(_import_pyarrow(self.spec), self.units[u])
+            pa = _import_pyarrow(self.spec)
+            source = pa.memory_map(self.units[u], "r")
+            batches = _arrow_batches(pa, self.units[u], source)
             starts = np.cumsum([0] + [b.num_rows for b in batches])
-            return {"batches": batches, "starts": starts, "columns": {}}
+            flat = _batch_tokens(source, batches, self.opts.tokens_field) if self.modes[u] == "batches" else None
+            return {"batches": batches, "starts": starts, "columns": {}, "flat": flat}
         return self._cached(unit, opener)
 
     def iter_docs(self, unit, lo, hi, start, *, shard, num_shards, epoch):
@@ -518,6 +546,22 @@ class ArrowSource(_TokenFileSource):
             return super().check_block(unit, first, last)
         if not self.opts.vocab_size:
             return True
+        flat = self._unit(unit)["flat"]
+        if flat is not None:  # each document's largest (and smallest) id in one pass over the stretch
+            base, starts, lens = flat
+            a, n = starts[first:last + 1], lens[first:last + 1]
+            if not n.all():
+                return False
+            lo = int(a[0])
+            bounds = np.empty(2 * len(a), dtype=np.int64)
+            bounds[0::2], bounds[1::2] = a - lo, a + n - lo
+            if np.any(np.diff(bounds) < 0):  # batches not in file order: reduceat would miss tokens
+                return False
+            span = base[lo:int(bounds[-1]) + lo]
+            bounds = bounds[:-1]
+            if int(np.maximum.reduceat(span, bounds)[0::2].max()) >= self.opts.vocab_size:
+                return False
+            return span.dtype.kind != "i" or int(np.minimum.reduceat(span, bounds)[0::2].min()) >= 0
         for d in range(first, last + 1):  # one record batch per document: no stretch of the file holds them all
             tokens = self._doc(unit, d)
             if tokens is not None and len(tokens) and (
@@ -529,6 +573,9 @@ class ArrowSource(_TokenFileSource):
         if not self.verbatim or lo >= hi:
             return None
         if self.modes[unit] == "batches":
+            flat = self._unit(unit)["flat"]
+            if flat is not None:
+                return flat[0], flat[1][lo:hi], flat[2][lo:hi]
             views = [self._doc(unit, d) for d in range(lo, hi)]
             if any(v is None for v in views):
                 return None
