@@ -135,9 +135,12 @@ class DocumentReader:
         src, plan = self.source, self.plan
         lo, hi = src.part(unit, self.shard, plan.num_shards)
         start = lo if self.block_start is None else self.block_start
-        docs: list[tuple[int, int, Any]] = []
+        docs: list[tuple[int, int, Any]] | _NumberedBlock = []
         full = False
-        if start < hi:
+        if src.verbatim and hasattr(src, "layout"):  # token files: documents lo..hi-1, numbered in the file
+            size = max(0, min(plan.shuffle_window, hi - start))
+            docs, full = _NumberedBlock(start, size), size >= plan.shuffle_window
+        elif start < hi:
             nbytes = 0
             gen = src.iter_docs(unit, lo, hi, start, shard=self.shard, num_shards=plan.num_shards, epoch=self.epoch)
             try:
@@ -301,6 +304,26 @@ class DocumentTokenizer:
         if self.plan.append_eos:
             return np.append(ids.astype(np.int64), eos)
         return ids
+
+
+class _NumberedBlock:
+    """The block of documents start..start+size-1 of a token file, as the list of (coordinate, next
+    coordinate, payload) that iter_docs would give, without making it."""
+
+    __slots__ = ("start", "size")
+
+    def __init__(self, start: int, size: int):
+        self.start, self.size = start, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> tuple[int, int, None]:
+        if i < 0:
+            i += self.size
+        if not 0 <= i < self.size:
+            raise IndexError(i)
+        return self.start + i, self.start + i + 1, None
 
 
 class _Layout(NamedTuple):
