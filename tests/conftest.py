@@ -54,13 +54,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _wanted_runs(session) -> set[str]:
+    return {name for item in session.items for mark in item.iter_markers("runs") for name in mark.args}
+
+
 @pytest.fixture(scope="session")
 def batches(request, tmp_path_factory):
     """Every batched run (tests/support/batches.py) the selected tests name in ``@pytest.mark.runs(...)``,
-    one torchrun start per world size, started when the first test asks for one."""
+    one torchrun start per world size."""
     from tests.support.batches import Batches
 
-    names = {name for item in request.session.items for mark in item.iter_markers("runs") for name in mark.args}
-    started = Batches(tmp_path_factory.mktemp("batches"), names)
+    started = Batches(tmp_path_factory.mktemp("batches"), _wanted_runs(request.session))
     yield started
     started.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _start_batches_first(request):
+    """The batched runs start with the session, not when the first test that reads one comes up: they run
+    on the core the in-process tests leave idle while those tests run."""
+    if _wanted_runs(request.session):
+        request.getfixturevalue("batches")

@@ -90,7 +90,7 @@ def test_second_launch_refused(straight, tmp_path):
         kill_tree(first)
     assert second.returncode == 6, output(second)
     assert "in use by another run" in output(second) and "Traceback" not in output(second)
-    assert seconds < 30
+    assert seconds < 120  # refused at once: it did not wait for the first run (stalled for an hour) to end
 
 
 def test_bit_flip_in_newest_checkpoint(straight, tmp_path):
