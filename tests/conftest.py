@@ -43,7 +43,25 @@ def pytest_unconfigure(config):
     _previous.clear()
 
 
+# Under pytest-xdist each worker takes whole files as it becomes free: the longest files go first (so no
+# worker is left alone with one at the end), and the files that read batched runs go last (by then the runs,
+# started with the session, have ended).
+_LONGEST_FIRST = ["tests/e2e/test_multinode.py", "tests/e2e/test_never_lose_work.py", "tests/e2e/test_train.py",
+                  "tests/e2e/test_torchtitan_compat.py", "tests/e2e/test_hf_eval.py"]
+_TIERS = ["tests/e2e/", "tests/unit/", "tests/distributed/"]
+
+
+def _file_order(item) -> tuple[int, int]:
+    path = item.nodeid.split("::")[0]
+    tier = next((i for i, t in enumerate(_TIERS) if path.startswith(t)), len(_TIERS))
+    first = _LONGEST_FIRST.index(path) if path in _LONGEST_FIRST else len(_LONGEST_FIRST)
+    return tier, first
+
+
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER") is not None:
+        items.sort(key=_file_order)  # stable: tests keep their order within a file
+
     import torch
 
     if torch.cuda.is_available():
@@ -64,9 +82,23 @@ def batches(request, tmp_path_factory):
     one torchrun start per world size."""
     from tests.support.batches import Batches
 
-    started = Batches(tmp_path_factory.mktemp("batches"), _wanted_runs(request.session))
+    names = _wanted_runs(request.session)
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        started = Batches(tmp_path_factory.mktemp("batches"), names)
+        yield started
+        started.close()
+        return
+    # pytest-xdist: one folder for all workers (their base folders share a parent); the worker that creates
+    # it starts the runs, the others attach. The owner's session may end first: it waits for the runs to end.
+    root = tmp_path_factory.getbasetemp().parent / "batches"
+    try:
+        root.mkdir()
+        owner = True
+    except FileExistsError:
+        owner = False
+    started = Batches(root, names, owner=owner)
     yield started
-    started.close()
+    started.close(wait=1800)
 
 
 @pytest.fixture(scope="session", autouse=True)
