@@ -17,7 +17,7 @@ from trainer import extensions
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("trainer.train", "train in this process (use ./run_train.sh for torchrun and several processes)"),
     "config": ("trainer.config", "print the resolved config as TOML (--markdown: the config reference)"),
-    "data": ("trainer.data.cli", "audit a config's data, or tokenize a corpus into token files (prepare)"),
+    "data": ("trainer.data.cli", "audit a config's data, inspect token files, or tokenize a corpus into token files (prepare)"),
     "checkpoint": ("trainer.checkpoint.cli", "list, inspect or verify checkpoints"),
     "plan": ("trainer.tools.plan.cli", "parameters, FLOPs and memory per GPU for a config and GPU count"),
     "bench": ("trainer.tools.bench", "benchmarks: framework overhead, data loader, checkpoint, GPU"),

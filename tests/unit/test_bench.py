@@ -137,3 +137,17 @@ def test_step_seeding_matches_manual_seed():
     ours = torch.get_rng_state()
     torch.manual_seed(1234)
     assert torch.equal(ours, torch.get_rng_state())
+
+
+def test_bench_data_files_measures_every_kind_against_plain_memmap(tmp_path):
+    """The token-file loader benchmark, shrunk: a row per kind and seq_len, beside the plain memmap read."""
+    from tests.support.data import make_config
+    from tokenizer import DEBUG_TOKENIZER_PATH, build_tokenizer
+    from trainer.tools.bench.data_files import format_rows, measure_token_files
+
+    config = make_config(**{"training.local_batch_size": 2, "data.num_shards": 2})
+    rows = measure_token_files(config, build_tokenizer(DEBUG_TOKENIZER_PATH), seconds=0.05, seq_lens=(64,),
+                               n_tokens=1 << 16, workdir=str(tmp_path))
+    assert [r["kind"] for r in rows] == ["plain", "megatron", "numpy", "arrow"]
+    assert all(r["tokens_per_s"] > 0 and r["plain_tokens_per_s"] == rows[0]["tokens_per_s"] for r in rows)
+    assert "megatron" in format_rows({"rows": rows})

@@ -67,5 +67,7 @@ def check_paths(config) -> None:
         path = os.path.expanduser(spec.path)
         if spec.kind == "hf" or any(ch in path for ch in "*?["):
             continue  # hub names and globs resolve when the loader lists them
+        if spec.kind == "megatron" and os.path.isfile(path + ".idx"):
+            continue  # a Megatron path prefix ("..._text_document" for its .idx/.bin pair)
         if not os.path.exists(path):
             raise ConfigError(f"{spec.key}: no such file or folder {spec.path!r}")

@@ -1,6 +1,7 @@
-"""``trainer data ...`` subcommands: audit and prepare.
+"""``trainer data ...`` subcommands: audit, inspect and prepare.
 
     trainer data audit [--json] [--sequences N] [CONFIG OVERRIDES]
+    trainer data inspect [--source SPEC ...] [--json] [--documents N] [CONFIG OVERRIDES]
     trainer data prepare --output DIR [--source SPEC] [--workers N] [--overwrite] [CONFIG OVERRIDES]
 
 Config overrides are the training command line (``--job.config_file x.toml --training.seq_len 256``),
@@ -15,7 +16,7 @@ import json
 import sys
 
 from trainer.config import ConfigError, load_config, validate
-from trainer.data.sources import DataError
+from trainer.errors import TrainerError
 
 
 def _build_tokenizer(config):
@@ -41,6 +42,15 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--json", action="store_true", help="print the report as JSON (for scripts)")
     a.add_argument("--sequences", type=int, default=None,
                    help="stop after this many packed sequences (default: one full pass over the data)")
+    i = sub.add_parser("inspect", help="documents, tokens, lengths, largest id and separators of token files",
+                       description="Read pre-tokenized sources (megatron, numpy, token arrow, prepared tokens) as "
+                                   "training reads them and report on them. Other options are config overrides "
+                                   "(the tokenizer and model give the EOS/BOS ids and the vocabulary).")
+    i.add_argument("--source", action="append", default=None,
+                   help="source spec, e.g. 'megatron:/data/dolma_text_document' (repeatable; default: the config's "
+                        "training sources)")
+    i.add_argument("--json", action="store_true", help="print the reports as JSON (for scripts)")
+    i.add_argument("--documents", type=int, default=None, help="stop after this many documents per source")
     p = sub.add_parser("prepare", help="tokenize a corpus into memory-mapped token files (the fastest source)",
                        description="Tokenize a source in parallel into a folder usable as a 'tokens:DIR' source. "
                                    "Other options are config overrides, as for training.")
@@ -63,10 +73,25 @@ def main(argv: list[str]) -> int:
         tokenizer = _build_tokenizer(config)
         if args.command == "audit":
             return _audit(args, config, tokenizer)
+        if args.command == "inspect":
+            return _inspect(args, config, tokenizer)
         return _prepare(args, config, tokenizer)
-    except (ConfigError, DataError, FileNotFoundError) as e:
+    except TrainerError as e:  # data errors exit 4, config errors 2 (trainer/errors.py)
+        print(f"{e.label}: {e}", file=sys.stderr)
+        return e.exit_code
+    except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _inspect(args, config, tokenizer) -> int:
+    from trainer.data.inspector import format_reports, inspect_sources
+
+    if args.documents is not None and args.documents < 1:
+        raise ConfigError("--documents must be >= 1")
+    reports = inspect_sources(config, tokenizer, args.source, max_documents=args.documents)
+    print(json.dumps(reports, indent=2) if args.json else format_reports(reports))
+    return 0
 
 
 def _audit(args, config, tokenizer) -> int:

@@ -13,8 +13,8 @@ from typing import Literal
 @dataclass
 class Data:
     sources: list[str] = field(default_factory=list)
-    """Training sources for a mixture, each "kind:path" (kinds: jsonl, text, parquet, arrow, tokens, hf) or a
-    registered name; paths may be globs. Empty: the single source training.dataset / training.dataset_path."""
+    """Training sources for a mixture, each "kind:path" (kinds: jsonl, text, parquet, arrow, tokens, hf,
+    megatron, numpy) or a registered name; paths may be globs. Empty: the single source training.dataset / training.dataset_path."""
     weights: list[float] = field(default_factory=list)
     """Mixture weights, one per entry of sources (normalised; shares are of tokens). Empty: equal weights.
     May be changed when resuming."""
@@ -47,6 +47,17 @@ class Data:
     """Seed of the data order; None: debug.seed (0 when that is unset too)."""
     text_field: str = "text"
     """Column or JSON key holding the document text (jsonl, parquet, arrow and hf sources)."""
+    tokens_field: str = "tokens"
+    """Column of arrow sources holding pre-tokenized documents (a list of token ids per row, or integer tokens
+    with one record batch per document, as fms-fsdp writes); files without it are read as text
+    (data.text_field)."""
+    numpy_dtype: Literal["auto", "uint16", "uint32"] = "auto"
+    """Token type of numpy sources without an NPY header (OLMo's raw .npy arrays). auto: uint16 when the
+    model's vocabulary fits in 16 bits, else uint32. A file with an NPY header has its own type."""
+    append_eos: bool = False
+    """Append the tokenizer's EOS to every pre-tokenized document (megatron, numpy, token arrow) that does not
+    already end with it, for files stored without separators (fms-fsdp's loader adds the delimiter when it
+    reads). Off: such documents are trained exactly as stored (trainer data audit counts those without EOS)."""
     text_document: Literal["line", "file"] = "line"
     """For text sources: every line is a document, or every file is one document."""
     max_skipped_fraction: float = 0.01

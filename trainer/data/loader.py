@@ -41,9 +41,8 @@ from trainer.errors import ConfigError, DataStateError
 from trainer.data.checks import batch_geometry
 from trainer.fingerprint import sequence_fingerprint
 from trainer.data.pipeline import STAT_KEYS, DataPlan, ShardStream, Window
-from trainer.data.sources import (
-    DataError, SourceOptions, SourceSpec, build_source, training_specs, validation_spec,
-)
+from trainer.data.readers import build_source
+from trainer.data.sources import DataError, SourceOptions, SourceSpec, training_specs, validation_spec
 
 logger = logging.getLogger(__name__)
 
@@ -80,13 +79,15 @@ def build_plan(config, tokenizer, specs: list[SourceSpec], weights: list[float],
         chosen = run_separator(config, tokenizer)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if chosen.note:
-        logger.info(chosen.note)
+    if chosen.note and not all(s.kind in ("megatron", "numpy") for s in specs):
+        logger.info(chosen.note)  # (token files are trained as stored: the separator does not apply to them)
     separator, sep_id = chosen.name, chosen.token_id
     seed = data_seed(config)
     fingerprint = tokenizer_fingerprint(tokenizer) if any(s.kind == "tokens" for s in specs) else {}
     opts = SourceOptions(text_field=d.text_field, text_document=d.text_document, seed=seed, shuffle=shuffle,
-                         shuffle_window=d.shuffle_window, tokenizer_fingerprint=fingerprint)
+                         shuffle_window=d.shuffle_window, tokenizer_fingerprint=fingerprint,
+                         tokens_field=d.tokens_field, numpy_dtype=d.numpy_dtype, eos_id=tokenizer.eos_id,
+                         vocab_size=model_vocab(config, tokenizer), tokenizer_vocab=int(tokenizer.vocab_size))
     sources = [build_source(spec, i, opts) for i, spec in enumerate(specs)]
     for src in sources:
         if src.partition == "modulo" and len(src.units) < num_shards:
@@ -111,8 +112,18 @@ def build_plan(config, tokenizer, specs: list[SourceSpec], weights: list[float],
         separator=separator, separator_id=int(sep_id), strip_ids=strip, num_shards=num_shards, seed=seed,
         shuffle=shuffle, shuffle_window=d.shuffle_window, max_document_tokens=d.max_document_tokens,
         long_document_windows=d.long_document_windows, positions=d.document_positions, debug=d.debug_doc_ids,
-        max_epochs=max_epochs,
+        max_epochs=max_epochs, append_eos=d.append_eos, eos_id=tokenizer.eos_id,
     )
+
+
+def model_vocab(config, tokenizer) -> int:
+    """The model's vocabulary (embedding rows): pre-tokenized documents must hold ids below it."""
+    from trainer.models.config import resolve_model_args
+
+    try:
+        return int(resolve_model_args(config, int(tokenizer.vocab_size)).vocab_size)
+    except ConfigError:
+        return int(tokenizer.vocab_size)  # the trainer reports the mismatch itself when it builds the model
 
 
 # --------------------------------------------------------------------------------------------------

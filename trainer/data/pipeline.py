@@ -36,6 +36,7 @@ STAT_KEYS = (
     "long_documents",  # longer than data.long_document_windows windows (still used)
     "truncated_documents",  # cut to data.max_document_tokens
     "stripped_separators",  # BOS/EOS the tokenizer itself added, removed before adding the one separator
+    "documents_without_eos",  # pre-tokenized documents (trained as stored) that do not end with EOS
 )
 _SKIP_KEY = {EMPTY: "skipped_empty", MALFORMED: "skipped_malformed", UNDECODABLE: "skipped_undecodable"}
 
@@ -65,6 +66,8 @@ class DataPlan:
     positions: bool = False
     debug: bool = False
     max_epochs: int | None = None  # None: loop forever (training); 1: one pass (validation)
+    append_eos: bool = False  # pre-tokenized documents without a final EOS get one (data.append_eos)
+    eos_id: int | None = None
     extra: dict = field(default_factory=dict)
 
     def fingerprint(self) -> dict:
@@ -251,11 +254,7 @@ class DocumentTokenizer:
                 ids = ids[: plan.max_document_tokens]
                 if count:
                     stats["truncated_documents"] += 1
-            doc = np.empty(len(ids) + 1, dtype=np.int64)
-            if plan.separator == "bos":
-                doc[0], doc[1:] = plan.separator_id, ids
-            else:
-                doc[:-1], doc[-1] = ids, plan.separator_id
+            doc = self._stored(ids, count) if self.reader.source.verbatim else self._separated(ids)
             if count:
                 stats["documents"] += 1
                 stats["tokens"] += len(doc)
@@ -263,6 +262,27 @@ class DocumentTokenizer:
                 if len(doc) > plan.long_document_windows * (plan.seq_len + 1):
                     stats["long_documents"] += 1
             return before, uid, doc
+
+    def _separated(self, ids: np.ndarray) -> np.ndarray:
+        plan = self.plan
+        doc = np.empty(len(ids) + 1, dtype=np.int64)
+        if plan.separator == "bos":
+            doc[0], doc[1:] = plan.separator_id, ids
+        else:
+            doc[:-1], doc[-1] = ids, plan.separator_id
+        return doc
+
+    def _stored(self, ids: np.ndarray, count: bool) -> np.ndarray:
+        """A pre-tokenized document as stored (a view of its file: the packer copies it into the window),
+        with EOS appended only under data.append_eos."""
+        eos = self.plan.eos_id
+        if eos is None or int(ids[-1]) == eos:
+            return ids
+        if count:
+            self.stats["documents_without_eos"] += 1
+        if self.plan.append_eos:
+            return np.append(ids.astype(np.int64), eos)
+        return ids
 
 
 class Window(NamedTuple):
@@ -319,26 +339,28 @@ class Packer:
     def next_window(self, source: int, shard: int) -> Window:
         if self._pending is not None:
             self._restore()
-        plan, need = self.plan, self.width
-        toks, poss, uids = [], [], []
-        while need:
+        plan, width = self.plan, self.width
+        tokens = np.empty(width, dtype=np.int64)  # documents are copied (and widened) into the window once
+        positions = np.empty(width, dtype=np.int64) if plan.positions or plan.debug else None
+        uids = np.empty(width, dtype=np.int64) if plan.debug else None
+        filled = 0
+        while filled < width:
             if self._cur is None:
                 self._cur, self._offset = self.docs.next(), 0
             _, uid, doc = self._cur
             off = self._offset
-            take = min(need, len(doc) - off)
-            toks.append(doc[off:off + take])
-            if plan.positions or plan.debug:
-                poss.append(np.arange(off, off + take, dtype=np.int64))
-            if plan.debug:
-                uids.append(np.full(take, uid, dtype=np.int64))
+            take = min(width - filled, len(doc) - off)
+            tokens[filled:filled + take] = doc[off:off + take]
+            if positions is not None:
+                positions[filled:filled + take] = np.arange(off, off + take)
+            if uids is not None:
+                uids[filled:filled + take] = uid
             self._offset = off + take
-            need -= take
+            filled += take
             if self._offset == len(doc):
                 self._cur, self._offset = None, 0
         self.sequences += 1
-        cat = (lambda xs: xs[0] if len(xs) == 1 else np.concatenate(xs))
-        return Window(cat(toks), cat(poss) if poss else None, cat(uids) if uids else None, source, shard)
+        return Window(tokens, positions, uids, source, shard)
 
 
 def _copy_state(sd: dict) -> dict:

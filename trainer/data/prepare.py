@@ -29,8 +29,9 @@ import numpy as np
 
 from trainer.data.sources import (
     EMPTY, OK, STRIPPED_LEADING, STRIPPED_TRAILING, TOKENS_FORMAT, TOKENS_META, UNDECODABLE, SourceOptions,
-    SourceSpec, build_source, parse_source, range_part,
+    SourceSpec, parse_source, range_part,
 )
+from trainer.data.readers import build_source
 
 PIECE_BYTES = 32 << 20  # line files are tokenized in pieces of about this many bytes ...
 PIECE_ROWS = 100_000  # ... and row-based files in pieces of this many rows
@@ -97,8 +98,8 @@ def prepare(source: str | SourceSpec, output: str | os.PathLike, tokenizer, *, w
     from trainer.data.loader import tokenizer_fingerprint
 
     spec = parse_source(source, key="prepare source") if isinstance(source, str) else source
-    if spec.kind == "tokens":
-        raise ConfigError(f"{spec.label!r} is already pre-tokenized")
+    if spec.kind in ("tokens", "megatron", "numpy"):
+        raise ConfigError(f"{spec.label!r} is already pre-tokenized: train on it directly")
     out = Path(output).expanduser()
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--output {out} is a file; name a folder for the prepared tokens")
@@ -109,6 +110,8 @@ def prepare(source: str | SourceSpec, output: str | os.PathLike, tokenizer, *, w
         raise ConfigError(f"--output {out} holds other files (no {TOKENS_META}); name a new or empty folder")
     opts = SourceOptions(text_field=text_field, text_document=text_document, seed=0, shuffle=False, shuffle_window=1)
     src = build_source(spec, 0, opts)
+    if src.verbatim:
+        raise ConfigError(f"{spec.label!r} holds token columns (data.tokens_field): train on it directly")
     dtype = "uint16" if tokenizer.vocab_size <= (1 << 16) else "uint32"
 
     if workers is None:

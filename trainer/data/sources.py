@@ -11,7 +11,8 @@ Documents come out raw (``payload``) and are decoded lazily by ``decode`` into `
 
 The pre-tokenized format written by ``prepare`` keeps the original coordinates of every document, so a
 ``tokens`` source splits into shards and blocks exactly as the text it came from: the same config gives
-the same sequences on either path.
+the same sequences on either path. Token files written by other trainers (megatron, numpy, token
+columns of arrow files) are read by readers.py, which also holds ``build_source``.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ MISSING_FIELD = "missing field"
 # removed at prepare time (kept so that audit counts the same on both paths).
 STRIPPED_LEADING, STRIPPED_TRAILING = 4, 8
 
-KINDS = ("jsonl", "text", "parquet", "arrow", "tokens", "hf")
+KINDS = ("jsonl", "text", "parquet", "arrow", "tokens", "hf", "megatron", "numpy")
 SAMPLE_DIR = Path(__file__).resolve().parent / "sample"
 # Registered dataset names -> {split: (kind, path)}.
 REGISTRY: dict[str, dict[str, tuple[str, str]]] = {
@@ -52,7 +53,10 @@ _EXTENSIONS = {
     **{suffix: "jsonl" for suffix in JSONL_SUFFIXES},
     ".txt": "text", ".text": "text", ".md": "text",
     ".parquet": "parquet", ".arrow": "arrow",
+    ".idx": "megatron", ".bin": "megatron", ".npy": "numpy",
 }
+# Files beside the data that say nothing of its kind (a datasets.save_to_disk folder's metadata).
+_NOT_DATA = frozenset({"state.json", "dataset_info.json", "dataset_dict.json"})
 TOKENS_META = "meta.json"
 TOKENS_FORMAT = "trainer-tokens-v1"
 # A line-based block stops after this many bytes even if it holds fewer than shuffle_window documents.
@@ -82,6 +86,11 @@ class SourceOptions:
     shuffle: bool = True
     shuffle_window: int = 1024
     tokenizer_fingerprint: dict = field(default_factory=dict, hash=False, compare=False)
+    tokens_field: str = "tokens"  # the token column of arrow files (pre-tokenized documents)
+    numpy_dtype: str = "auto"  # the token type of headerless numpy files
+    eos_id: int | None = None  # delimits the documents of numpy files without a .csv.gz sidecar
+    vocab_size: int = 0  # the model's vocabulary: a stored token id at or above it is a data error (0: unchecked)
+    tokenizer_vocab: int = 0  # the tokenizer's vocabulary: a token file's type must hold it
 
 
 def parse_source(text: str, *, key: str, split: str = "train") -> SourceSpec:
@@ -119,14 +128,38 @@ def parse_source(text: str, *, key: str, split: str = "train") -> SourceSpec:
 
 def _infer_kind(path: str, key: str) -> str:
     expanded = os.path.expanduser(path)
-    if os.path.isdir(expanded) and os.path.isfile(os.path.join(expanded, TOKENS_META)):
-        return "tokens"
+    if os.path.isdir(expanded):
+        if os.path.isfile(os.path.join(expanded, TOKENS_META)):
+            return "tokens"
+        return _folder_kind(expanded, path, key)
     suffix = data_suffix(path)
     if suffix in _EXTENSIONS:
         return _EXTENSIONS[suffix]
+    if not os.path.exists(expanded) and os.path.isfile(expanded + ".idx"):
+        return "megatron"  # a Megatron path prefix, as in --data-path
     raise ConfigError(
         f"{key}: cannot tell the source kind of {path!r}; write it as KIND:PATH with KIND one of {', '.join(KINDS)}"
     )
+
+
+def _folder_kind(folder: str, shown: str, key: str) -> str:
+    """The one kind of the data files in a folder (searched recursively); several kinds are an error."""
+    found: dict[str, str] = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            if name in _NOT_DATA or name.lower().startswith("readme"):
+                continue
+            kind = _EXTENSIONS.get(data_suffix(name))
+            if kind is not None and kind not in found:
+                found[kind] = os.path.join(root, name)
+                if len(found) > 1:
+                    detail = ", ".join(f"{k} ({p})" for k, p in found.items())
+                    raise ConfigError(f"{key}: folder {shown!r} holds files of several kinds: {detail}; point at "
+                                      "one kind's files (a glob or sub-folder), or write KIND:PATH")
+    if not found:
+        raise ConfigError(f"{key}: folder {shown!r} holds no data file of a known kind; write it as KIND:PATH "
+                          f"with KIND one of {', '.join(KINDS)}")
+    return next(iter(found))
 
 
 def training_specs(config) -> tuple[list[SourceSpec], list[float]]:
@@ -182,15 +215,6 @@ def _single_spec(dataset: str, dataset_path: str, section: str, split: str) -> S
     )
 
 
-def build_source(spec: SourceSpec, index: int, opts: SourceOptions) -> "Source":
-    """Resolve a spec to a Source; a missing file or a glob matching nothing is a ConfigError naming it."""
-    cls = {"jsonl": JsonlSource, "text": TextSource, "parquet": ParquetSource, "arrow": ArrowSource,
-           "tokens": TokenSource, "hf": HFSource}.get(spec.kind)
-    if cls is None:
-        raise ConfigError(f"{spec.key}: unknown source kind {spec.kind!r}; kinds: {', '.join(KINDS)}")
-    return cls(spec, index, opts)
-
-
 def expand_files(spec: SourceSpec, extensions: tuple[str, ...]) -> list[str]:
     """Files of a path, folder (searched recursively for `extensions`) or glob; sorted; never empty."""
     path = os.path.expanduser(spec.path)
@@ -227,6 +251,7 @@ class Source:
     kind = "?"
     coords_are_bytes = False  # blocks are also limited by BLOCK_BYTES when coordinates are byte offsets
     partition = "range"  # "range": each shard gets a coordinate slice of every unit; "modulo": unit u -> shard u % N
+    verbatim = False  # documents are token arrays trained as stored: no separator added (readers.py)
 
     def __init__(self, spec: SourceSpec, index: int, opts: SourceOptions):
         self.spec, self.index, self.opts = spec, index, opts
@@ -475,54 +500,6 @@ class ParquetSource(_ColumnSource):
             first_row += n
             if first_row >= hi:
                 return
-
-
-class ArrowSource(_ColumnSource):
-    """Arrow IPC files (file or stream format, e.g. the .arrow files of datasets.save_to_disk),
-    memory-mapped: only the rows being read are paged in."""
-
-    kind = "arrow"
-
-    def __init__(self, spec, index, opts):
-        super().__init__(spec, index, opts)
-        _import_pyarrow(spec)
-        self.units = expand_files(spec, (".arrow",))
-        self._tables: dict[int, Any] = {}
-        for u, path in enumerate(self.units):
-            table = self._table(u)
-            if opts.text_field not in table.column_names:
-                raise ConfigError(
-                    f"data.text_field: column {opts.text_field!r} not in {path} (columns: {table.column_names})"
-                )
-            self.sizes.append(table.num_rows)
-        self._tables = {}
-
-    def __getstate__(self):
-        state = dict(self.__dict__)
-        state["_tables"] = {}
-        return state
-
-    def _table(self, unit):
-        table = self._tables.get(unit)
-        if table is None:
-            pa = _import_pyarrow(self.spec)
-            source = pa.memory_map(self.units[unit], "r")
-            try:
-                table = pa.ipc.open_file(source).read_all()
-            except pa.ArrowInvalid:
-                source.seek(0)
-                table = pa.ipc.open_stream(source).read_all()
-            if len(self._tables) >= 16:
-                self._tables.pop(next(iter(self._tables)))
-            self._tables[unit] = table
-        return table
-
-    def iter_docs(self, unit, lo, hi, start, *, shard, num_shards, epoch):
-        column = self._table(unit).column(self.opts.text_field)
-        for begin in range(start, hi, 1024):
-            values = column.slice(begin, min(hi, begin + 1024) - begin).to_pylist()
-            for i, value in enumerate(values):
-                yield begin + i, begin + i + 1, value
 
 
 class TokenSource(Source):

@@ -1,6 +1,6 @@
 """``trainer bench``: performance benchmarks of the trainer itself.
 
-    trainer bench [overhead|data|checkpoint|gpu|kernels|vs-torchtitan|integrity|all] [--json FILE]
+    trainer bench [overhead|data|data-files|checkpoint|gpu|kernels|vs-torchtitan|integrity|all] [--json FILE]
                   [--steps N|small] [--config FILE] [--section.key value ...]
 
 Suites (each prints rows of the table and fills one entry of the JSON results):
@@ -22,6 +22,9 @@ Suites (each prints rows of the table and fills one entry of the JSON results):
   (``trainer.tools.bench.data.measure_throughput``), against the tokens/s the model consumes, measured in the same
   run by the trainer, and the fraction of the trainer's step time spent waiting for data (its own
   ``data_wait_s`` accounting).
+* ``data-files``: the loader on token files other trainers write (megatron, numpy, fms-fsdp arrow) at seq_len
+  4096 and 8192, per kind, against plain numpy memmap slicing of the same tokens in the same run
+  (``trainer.tools.bench.data_files``).
 * ``checkpoint``: save throughput of synchronous and asynchronous saves and load throughput, through the
   trainer's ``CheckpointManager`` (DCP); how long an asynchronous save blocks the loop (from the save call
   until the loop may continue) against a synchronous save; and the slowdown of steps while the background
@@ -70,6 +73,7 @@ __all__ = ["main", "SUITES", "DEFAULT_CONFIG", "GPU_FLAVORS", "GPU_VARIANTS", "b
 SUITES: dict[str, tuple[str, str, bool]] = {
     "overhead": ("trainer.tools.bench.overhead", "bench_overhead", True),
     "data": ("trainer.tools.bench.data", "bench_data", True),
+    "data-files": ("trainer.tools.bench.data_files", "bench_data_files", False),
     "checkpoint": ("trainer.tools.bench.checkpoint", "bench_checkpoint", True),
     "integrity": ("trainer.tools.bench.integrity", "bench_integrity", False),
     "gpu": ("trainer.tools.bench.gpu", "bench_gpu", True),

@@ -68,6 +68,12 @@ def _data_rows(rows: _Rows, d: dict) -> None:
     add("data: fraction of step time waiting for data", d["data_wait_fraction"], "{:.4f}")
 
 
+def _data_files_rows(rows: _Rows, d: dict) -> None:
+    for r in d["rows"]:
+        rows.add(f"data-files: seq {r['seq_len']} {r['kind']} tokens/s (x plain memmap)",
+                 f"{r['tokens_per_s']:,.0f} ({r['vs_plain']:.3f}x)")
+
+
 def _checkpoint_rows(rows: _Rows, c: dict) -> None:
     add = rows.add
     add("checkpoint: size (MB)", c["checkpoint_bytes"] / 1e6, "{:.1f}")
@@ -115,8 +121,8 @@ def _generic_rows(rows: _Rows, suite: str, r: dict) -> None:
             rows.add(f"{suite}: {key}", value, metric=key)
 
 
-ROWS = {"overhead": _overhead_rows, "data": _data_rows, "checkpoint": _checkpoint_rows, "gpu": _gpu_rows,
-        "kernels": _kernel_rows}
+ROWS = {"overhead": _overhead_rows, "data": _data_rows, "data-files": _data_files_rows,
+        "checkpoint": _checkpoint_rows, "gpu": _gpu_rows, "kernels": _kernel_rows}
 
 
 def format_table(results: dict[str, Any]) -> str:

@@ -1,0 +1,367 @@
+"""Token files other trainers write (Megatron .bin/.idx, OLMo numpy arrays, fms-fsdp Arrow), written by the real
+writers (megatron-core's IndexedDatasetBuilder, numpy, pyarrow's RecordBatchFileWriter): the same documents give
+the same batches and the same losses in every format; exact resumption; every damaged input is one line with the
+data exit code."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.support.data import make_config
+from tests.support.launch import read_metrics, train_in_process
+from tests.support.token_files import (
+    documents, write_all, write_arrow, write_megatron, write_mmidx, write_numpy,
+)
+from trainer.data.cli import main as data_main
+from trainer.data.loader import build_train_loader, merge_states
+from trainer.data.sources import parse_source
+from trainer.errors import ConfigError, DataError
+
+DOCS = documents(240, seed=3)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tokenizer import DEBUG_TOKENIZER_PATH, build_tokenizer
+
+    return build_tokenizer(DEBUG_TOKENIZER_PATH)
+
+
+@pytest.fixture(scope="module")
+def formats(tmp_path_factory) -> dict[str, Path]:
+    """The same 240 documents in two files per format, plus variants of each format."""
+    root = tmp_path_factory.mktemp("token_files")
+    paths = write_all(root, DOCS)
+    halves = np.array_split(np.arange(len(DOCS)), 2)
+    for name, writer in (("numpy_header", lambda p, d: write_numpy(p.with_suffix(".npy"), d, header=True)),
+                         ("numpy_sidecar", lambda p, d: write_numpy(p.with_suffix(".npy"), d, sidecar=True)),
+                         ("arrow_rows", lambda p, d: write_arrow(p.with_suffix(".arrow"), d, per_batch=False)),
+                         ("arrow_stream", lambda p, d: write_arrow(p.with_suffix(".arrow"), d, stream=True))):
+        (root / name).mkdir()
+        for i, idx in enumerate(halves):
+            writer(root / name / f"part{i}", [DOCS[j] for j in idx])
+        paths[name] = root / name
+    return paths
+
+
+def kind_of(name: str) -> str:
+    return name.split("_")[0]
+
+
+def loader(path, kind, tokenizer, rank=0, world=1, **extra):
+    config = make_config(**{"training.dataset": kind, "training.dataset_path": str(path), "training.seq_len": 32,
+                            "training.local_batch_size": 4 // world, "training.global_batch_size": 4,
+                            "data.num_shards": 4, "data.debug_doc_ids": True, **extra})
+    return build_train_loader(config, tokenizer, dp_rank=rank, dp_world_size=world)
+
+
+def draw(ld, n: int) -> list[dict]:
+    out = [{k: v.clone() for k, v in next(ld).items()} for _ in range(n)]
+    return out
+
+
+def test_the_same_documents_give_the_same_batches_in_every_format(formats, tokenizer):
+    reference = None
+    for name, path in formats.items():
+        ld = loader(path, kind_of(name), tokenizer)
+        batches = draw(ld, 12)
+        stats = ld.stats
+        ld.close()
+        assert stats["documents_without_eos"] == 0 and stats["skipped_empty"] == 0, name
+        if reference is None:
+            reference = batches
+            # Trained as stored: each document's own tokens, its EOS included, and nothing added.
+            flat = torch.cat([b["input"].flatten() for b in batches])
+            assert (flat == tokenizer.bos_id).sum() == 0
+            continue
+        for a, b in zip(reference, batches):
+            assert torch.equal(a["input"], b["input"]) and torch.equal(a["doc_ids"], b["doc_ids"]), name
+
+
+def test_documents_are_read_as_stored(formats, tokenizer):
+    config = make_config(**{"data.num_shards": 1, "data.shuffle": False, "training.seq_len": 32})
+    from trainer.data.loader import build_plan
+
+    for name, path in formats.items():
+        spec = parse_source(f"{kind_of(name)}:{path}", key="test")
+        plan = build_plan(config, tokenizer, [spec], [1.0], num_shards=1, shuffle=False, max_epochs=1)
+        src = plan.sources[0]
+        got = []
+        for unit in range(len(src.units)):
+            lo, hi = src.part(unit, 0, 1)
+            for coord, nxt, payload in src.iter_docs(unit, lo, hi, lo, shard=0, num_shards=1, epoch=0):
+                got.append(np.asarray(src.decode(src.load(unit, coord, nxt, payload))[1], dtype=np.int64))
+        assert len(got) == len(DOCS) and all(np.array_equal(a, b) for a, b in zip(got, DOCS)), name
+
+
+def test_exact_resume_and_another_data_parallel_degree(formats, tokenizer):
+    path = formats["megatron"]
+    straight = draw(loader(path, "megatron", tokenizer), 8)
+    first = loader(path, "megatron", tokenizer)
+    draw(first, 3)
+    again = loader(path, "megatron", tokenizer)
+    again.load_state_dict(first.state_dict())
+    assert all(torch.equal(a["input"], b["input"]) for a, b in zip(straight[3:], draw(again, 5)))
+    # Two ranks (2 sequences each) for 3 steps, then one rank: the same global batches.
+    ranks = [loader(formats["numpy"], "numpy", tokenizer, rank=r, world=2) for r in range(2)]
+    for _ in range(3):
+        for ld in ranks:
+            next(ld)
+    one = loader(formats["numpy"], "numpy", tokenizer)
+    one.load_state_dict(merge_states([ld.state_dict() for ld in ranks]))
+    rest = draw(one, 5)
+    for a, b in zip(straight[3:], rest):
+        assert sorted(map(tuple, a["input"].tolist())) == sorted(map(tuple, b["input"].tolist()))
+
+
+def test_a_mixture_of_two_formats_follows_the_weights(formats, tokenizer):
+    config = make_config(**{"data.sources": [f"megatron:{formats['megatron']}", f"arrow:{formats['arrow']}"],
+                            "data.weights": [3, 1], "training.seq_len": 16, "training.local_batch_size": 8,
+                            "data.num_shards": 4})
+    ld = build_train_loader(config, tokenizer, dp_rank=0, dp_world_size=1)
+    for _ in range(40):
+        next(ld)
+    shares = [s["share"] for s in ld.stats["sources"]]
+    ld.close()
+    assert abs(shares[0] - 0.75) < 0.02 and abs(shares[1] - 0.25) < 0.02, shares
+
+
+def test_documents_without_eos_are_counted_and_append_eos_adds_it(tmp_path, tokenizer):
+    docs = [d[:-1] for d in DOCS[:40]]  # fms-fsdp stores documents without the delimiter
+    write_arrow(tmp_path / "a.arrow", docs)
+    ld = loader(tmp_path / "a.arrow", "arrow", tokenizer, **{"data.num_shards": 1})
+    batch = next(ld)
+    assert ld.stats["documents_without_eos"] > 0 and (batch["input"] == tokenizer.eos_id).sum() == 0
+    ld.close()
+    ld = loader(tmp_path / "a.arrow", "arrow", tokenizer, **{"data.num_shards": 1, "data.append_eos": True})
+    batch = next(ld)
+    assert (batch["input"] == tokenizer.eos_id).sum() > 0
+    ld.close()
+
+
+def test_kinds_are_inferred_and_a_folder_of_mixed_kinds_is_refused(formats, tmp_path):
+    prefix = formats["megatron"] / "part0_text_document"
+    assert parse_source(str(prefix), key="k").kind == "megatron"
+    assert parse_source(f"{prefix}.idx", key="k").kind == "megatron"
+    assert parse_source(str(formats["numpy"] / "part0.npy"), key="k").kind == "numpy"
+    assert parse_source(str(formats["numpy"]), key="k").kind == "numpy"
+    mixed = tmp_path / "mixed"
+    shutil.copytree(formats["numpy"], mixed)
+    shutil.copy(formats["arrow"] / "part0.arrow", mixed)
+    with pytest.raises(ConfigError, match="several kinds"):
+        parse_source(str(mixed), key="k")
+
+
+def test_inspect_reports_documents_lengths_ids_and_separators(formats, capsys):
+    assert data_main(["inspect", "--json", "--source", f"megatron:{formats['megatron']}",
+                      "--source", f"arrow:{formats['arrow_rows']}"]) == 0
+    import json
+
+    reports = json.loads(capsys.readouterr().out)
+    want_tokens = sum(len(d) for d in DOCS)
+    for r in reports:
+        assert r["documents"] == len(DOCS) and r["tokens"] == want_tokens
+        assert r["largest_id"] == max(int(d.max()) for d in DOCS) and r["documents_without_eos"] == 0
+        assert sum(r["length_histogram"].values()) == len(DOCS)
+
+
+def _damaged(tmp_path: Path) -> dict[str, tuple[str, str]]:
+    """name -> (source spec, what the one line must say)."""
+    docs = DOCS[:20]
+    cases = {}
+
+    def mega(name, **kw):
+        prefix = str(tmp_path / name)
+        write_mmidx(prefix, docs, **kw)
+        return prefix
+
+    cases["bad magic"] = (f"megatron:{mega('magic', magic=b'NOTMMIDX!')}", "not a Megatron index")
+    cases["bad version"] = (f"megatron:{mega('version', version=2)}", "version 2")
+    p = mega("truncated")
+    os.truncate(p + ".bin", os.path.getsize(p + ".bin") - 10)
+    cases["truncated bin"] = (f"megatron:{p}", "the .bin is truncated")
+    p = mega("nobin")
+    os.remove(p + ".bin")
+    cases["idx without bin"] = (f"megatron:{p}", "nobin.bin is missing")
+    p = mega("noidx")
+    os.remove(p + ".idx")
+    cases["bin without idx"] = (f"megatron:{p}.bin", "noidx.idx is missing")
+    big = [d.copy() for d in docs]
+    big[7][2] = 5000
+    cases["id beyond vocabulary"] = (f"numpy:{write_numpy(tmp_path / 'big.npy', big)}",
+                                     "big.npy: document 7 holds token id 5000")
+    cases["dtype too small"] = (f"megatron:{mega('small', dtype=np.uint8)}", "cannot hold the tokenizer's 2048 ids")
+    (tmp_path / "empty.npy").write_bytes(b"")
+    cases["empty numpy"] = (f"numpy:{tmp_path / 'empty.npy'}", "empty file")
+    cases["empty megatron"] = (f"megatron:{_empty_megatron(tmp_path)}", "holds no documents")
+    (tmp_path / "odd.npy").write_bytes(b"\x01\x02\x03")
+    cases["partial token"] = (f"numpy:{tmp_path / 'odd.npy'}", "not a whole number of uint16 tokens")
+    return cases
+
+
+def _empty_megatron(tmp_path: Path) -> str:
+    prefix = str(tmp_path / "emptymega")
+    write_mmidx(prefix, [])
+    return prefix
+
+
+def test_every_damaged_input_is_one_line_with_the_data_exit_code(tmp_path, capsys):
+    for name, (spec, words) in _damaged(tmp_path).items():
+        rc = data_main(["inspect", "--source", spec])
+        err = capsys.readouterr().err
+        assert rc == 4, (name, err)
+        assert words in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (name, err)
+
+
+def test_a_damaged_file_stops_training_with_exit_code_4(tmp_path, monkeypatch):
+    big = [d.copy() for d in DOCS[:30]]
+    big[4][1] = 9999
+    path = write_megatron(tmp_path / "ids_text_document", big)
+    rc, log = train_in_process(tmp_path / "out", "--training.steps", "2", "--data.num_shards", "1",
+                               "--data.shuffle", "false", "--training.dataset", "megatron",
+                               "--training.dataset_path", str(path), monkeypatch=monkeypatch)
+    assert rc == 4 and "document 4 holds token id 9999" in log and "Traceback" not in log, log[-3000:]
+
+
+def test_an_index_without_its_bin_stops_training_with_exit_code_4(tmp_path, monkeypatch):
+    """Refused where the worker opens its sources (the launcher's pre-flight checks keys, not files); the
+    launcher passes a worker's one line and exit code on (tests/e2e/test_launcher_errors.py)."""
+    from tests.support.token_files import ASSETS
+
+    shutil.copy(ASSETS / "megatron" / "part0_text_document.idx", tmp_path / "lonely.idx")
+    rc, log = train_in_process(tmp_path / "out", "--training.steps", "2", "--data.sources",
+                               f"megatron:{tmp_path / 'lonely'}", monkeypatch=monkeypatch)
+    assert rc == 4 and "lonely.bin is missing" in log and "Traceback" not in log, log[-3000:]
+
+
+RUN = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--data.num_shards", "4",
+       "--debug.deterministic", "--lr_scheduler.decay_type", "constant"]
+
+
+@pytest.fixture(scope="module")
+def losses(formats, tmp_path_factory, mp) -> dict[str, dict[int, float]]:
+    """10 steps straight on numpy and on arrow; megatron stopped after 5 steps and resumed to 10 (four runs:
+    the straight runs are the reference of the resumed one)."""
+    out = {}
+    root = tmp_path_factory.mktemp("runs")
+    for name in ("numpy", "arrow"):
+        rc, log = train_in_process(root / name, "--training.steps", "10", *RUN, "--training.dataset", name,
+                                   "--training.dataset_path", str(formats[name]), monkeypatch=mp)
+        assert rc == 0, log[-3000:]
+        out[name] = {r["step"]: r["loss"] for r in read_metrics(root / name)}
+    for steps in (5, 10):
+        rc, log = train_in_process(root / "megatron", "--training.steps", str(steps), *RUN, "--checkpoint.enable",
+                                   "--checkpoint.interval", "5", "--checkpoint.last_save_model_only", "false",
+                                   "--training.dataset", "megatron", "--training.dataset_path",
+                                   str(formats["megatron"]), monkeypatch=mp)
+        assert rc == 0, log[-3000:]
+    records = read_metrics(root / "megatron")
+    out["megatron"] = {r["step"]: r["loss"] for r in records}
+    out["megatron_steps"] = [r["step"] for r in records]
+    return out
+
+
+def test_three_formats_give_bitwise_equal_losses_for_ten_steps(losses):
+    assert sorted(losses["numpy"]) == list(range(1, 11))
+    assert losses["numpy"] == losses["arrow"]
+    # Megatron's steps 1-5 come from a straight run, 6-10 from the resumed one (test below).
+    assert {s: v for s, v in losses["megatron"].items() if s <= 5} == {s: losses["numpy"][s] for s in range(1, 6)}
+
+
+def test_train_stop_resume_is_bitwise(losses):
+    # Each step logged once: the second run continued at step 6 rather than starting over.
+    assert losses["megatron_steps"] == list(range(1, 11))
+    assert losses["megatron"] == losses["numpy"]
+
+
+def test_megatron_fixture_is_the_real_builder_or_the_same_bytes(tmp_path):
+    """Where megatron-core is installed the fixtures come from its builder; the hand-written MMIDIDX writer
+    (damaged variants) must produce the same bytes."""
+    from tests.support.token_files import HAVE_MEGATRON
+
+    if not HAVE_MEGATRON:  # (importorskip would import megatron.core's __init__: seconds of model-parallel layers)
+        pytest.skip("megatron-core is not installed")
+    write_megatron(tmp_path / "real", DOCS[:30])
+    write_mmidx(str(tmp_path / "mine"), DOCS[:30])
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"real{suffix}").read_bytes() == (tmp_path / f"mine{suffix}").read_bytes()
+
+
+def test_sidecar_out_of_bounds_is_a_data_error(tmp_path, tokenizer):
+    path = write_numpy(tmp_path / "x.npy", DOCS[:10])
+    with gzip.open(tmp_path / "x.csv.gz", "wt") as f:
+        f.write("0,5\n5,999999\n")
+    with pytest.raises(DataError, match="sidecar belongs to another file"):
+        ld = loader(path, "numpy", tokenizer, **{"data.num_shards": 1})
+        next(ld)
+
+
+def test_the_committed_assets_are_what_the_writers_write(tmp_path):
+    """tests/assets/token_files (read by the multi-process and launcher runs) is the writers' output for
+    asset_documents(): regenerate with ``python -m tests.support.token_files`` when the writers change."""
+    from tests.support.token_files import ASSETS, write_assets
+
+    fresh = write_assets(tmp_path)
+    for kind, folder in fresh.items():
+        names = sorted(p.name for p in folder.iterdir())
+        assert names == sorted(p.name for p in (ASSETS / kind).iterdir()), kind
+        for name in names:
+            assert (folder / name).read_bytes() == (ASSETS / kind / name).read_bytes(), (kind, name)
+
+
+def test_across_epoch_boundaries_the_formats_stay_equal(tmp_path, tokenizer):
+    """24 short documents, 4 shards: 30 micro-batches wrap every shard's epoch several times."""
+    paths = write_all(tmp_path, DOCS[:24])
+    runs = {}
+    for kind, path in paths.items():
+        ld = loader(path, kind, tokenizer)
+        runs[kind] = draw(ld, 30)
+        assert ld.stats["epoch"] >= 2, kind
+        ld.close()
+    for a, b, c in zip(runs["megatron"], runs["numpy"], runs["arrow"]):
+        assert torch.equal(a["input"], b["input"]) and torch.equal(a["input"], c["input"])
+
+
+def test_audit_walks_token_files(formats, capsys):
+    import json
+
+    assert data_main(["audit", "--json", "--training.dataset", "numpy", "--training.dataset_path",
+                      str(formats["numpy_sidecar"]), "--training.seq_len", "32", "--data.num_shards", "4"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["documents"] == len(DOCS) and report["tokens"] == sum(len(d) for d in DOCS)
+    assert report["separator"] == "as stored" and report["documents_without_eos"] == 0
+    assert report["separators_per_boundary"] == 1.0 and report["doubled_separators"] == 0
+
+
+def test_null_rows_are_skipped_and_counted(tmp_path, tokenizer):
+    import pyarrow as pa
+
+    rows = [list(map(int, d)) for d in DOCS[:30]]
+    rows[3] = None
+    schema = pa.schema([("tokens", pa.list_(pa.int32()))])
+    with pa.OSFile(str(tmp_path / "n.arrow"), "wb") as sink, pa.ipc.RecordBatchFileWriter(sink, schema) as w:
+        w.write_batch(pa.record_batch([pa.array(rows, type=pa.list_(pa.int32()))], schema=schema))
+    ld = loader(tmp_path / "n.arrow", "arrow", tokenizer, **{"data.num_shards": 1})
+    draw(ld, 12)
+    stats = ld.stats
+    ld.close()
+    assert stats["skipped_malformed"] >= 1 and stats["last_skipped"]["at"] == 3
+
+
+def test_token_files_as_the_validation_source(formats, tokenizer):
+    from trainer.data.loader import build_val_loader
+
+    config = make_config(**{"validation.enable": True, "validation.dataset": "megatron",
+                            "validation.dataset_path": str(formats["megatron"] / "part1_text_document"),
+                            "training.seq_len": 32, "validation.local_batch_size": 4})
+    batches = list(build_val_loader(config, tokenizer, dp_rank=0, dp_world_size=1))
+    half = sum(len(d) for d in DOCS[len(DOCS) // 2:])
+    assert len(batches) == (half // 33) // 4
+    assert batches[0]["input"][0].tolist() == np.concatenate(DOCS[len(DOCS) // 2:])[:32].tolist()

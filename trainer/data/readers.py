@@ -1,0 +1,451 @@
+"""Token files written by other trainers, read as pre-tokenized documents; the Arrow kind; ``build_source``.
+
+* ``megatron``: Megatron-LM indexed datasets, a ``.bin`` of tokens and its ``.idx`` (MMIDIDX: magic, version 1,
+  dtype code, sequence lengths, byte pointers, document indices); a document is the run of sequences between
+  two document indices.
+* ``numpy``: OLMo-style flat token arrays (``.npy``, raw or with an NPY header); documents are delimited by
+  the EOS id, or by the ``<name>.csv.gz`` sidecar (``start,end`` token offsets per line) when there is one.
+* ``arrow``: Arrow IPC files (file or stream format). A ``data.tokens_field`` column of integer lists holds
+  one document per row; an integer column holds one document per record batch (fms-fsdp's layout); without
+  that column, ``data.text_field`` is text as before.
+
+Every document of these kinds is a range of one file, read through a memory map as a zero-copy slice: the
+coordinate of a document is its number in its file, so the same documents in the same order give the same
+shards, blocks and batches whichever of the three formats holds them. They are trained as stored
+(``Source.verbatim``): no separator is added.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import os
+import struct
+from typing import Any
+
+import numpy as np
+
+from trainer.data.sources import (
+    EMPTY, MALFORMED, OK, HFSource, JsonlSource, KINDS, ParquetSource, Source, SourceOptions, SourceSpec,
+    TextSource, TokenSource, _import_pyarrow, _text_status, expand_files, range_part,
+)
+from trainer.errors import ConfigError, DataError
+
+MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
+# Megatron's dtype codes (megatron.core.datasets.indexed_dataset.DType).
+MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
+                   8: np.uint16}
+_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, document indices
+_NPY_MAGIC = b"\x93NUMPY"
+_SCAN = 1 << 24  # tokens per step when scanning a file for EOS or checking pointers (bounded memory)
+
+
+def build_source(spec: SourceSpec, index: int, opts: SourceOptions) -> Source:
+    """Resolve a spec to a Source; a missing file or a glob matching nothing is a ConfigError naming it,
+    damaged token files a DataError."""
+    cls = {"jsonl": JsonlSource, "text": TextSource, "parquet": ParquetSource, "arrow": ArrowSource,
+           "tokens": TokenSource, "hf": HFSource, "megatron": MegatronSource, "numpy": NumpySource}.get(spec.kind)
+    if cls is None:
+        raise ConfigError(f"{spec.key}: unknown source kind {spec.kind!r}; kinds: {', '.join(KINDS)}")
+    return cls(spec, index, opts)
+
+
+def check_dtype(path: str, dtype, opts: SourceOptions) -> None:
+    """A token file's type must be an integer type that holds every id of the tokenizer."""
+    dtype = np.dtype(dtype)
+    if dtype.kind not in "iu":
+        raise DataError(f"{path}: stores {dtype} values, not integer token ids")
+    if opts.tokenizer_vocab and np.iinfo(dtype).max < opts.tokenizer_vocab - 1:
+        raise DataError(f"{path}: stores {dtype} tokens, which cannot hold the tokenizer's {opts.tokenizer_vocab} "
+                        "ids; the file was written for another tokenizer (model.tokenizer_path)")
+
+
+class _TokenFileSource(Source):
+    """Documents that are ranges of token arrays: coordinates are document numbers in a file; ``_doc``
+    returns a document's tokens (a view of the memory map); every document is checked against the vocabulary."""
+
+    verbatim = True
+
+    def __init__(self, spec, index, opts):
+        super().__init__(spec, index, opts)
+        self._open: dict[int, Any] = {}
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_open"] = {}  # memory maps stay in the process that opened them
+        return state
+
+    def iter_docs(self, unit, lo, hi, start, *, shard, num_shards, epoch):
+        for d in range(start, hi):
+            yield d, d + 1, None
+
+    def load(self, unit, coord, next_coord, payload):
+        tokens = self._doc(unit, coord)
+        if tokens is not None and len(tokens) and self.opts.vocab_size:
+            top = int(tokens.max())
+            low = int(tokens.min()) if tokens.dtype.kind == "i" else 0  # unsigned: one pass
+            if top >= self.opts.vocab_size or low < 0:
+                bad = top if top >= self.opts.vocab_size else low
+                hint = " (a raw .npy of another type: set data.numpy_dtype)" if self.kind == "numpy" else ""
+                raise DataError(f"{self.units[unit]}: document {coord} holds token id {bad}, outside the model's "
+                                f"vocabulary of {self.opts.vocab_size}; the file was written with another tokenizer "
+                                f"(model.tokenizer_path){hint} or is damaged")
+        return tokens
+
+    def decode(self, payload):
+        if payload is None:
+            return MALFORMED, None
+        return (OK, payload) if len(payload) else (EMPTY, None)
+
+    def _doc(self, unit: int, d: int) -> np.ndarray | None:
+        raise NotImplementedError
+
+    def _cached(self, unit: int, opener):
+        value = self._open.get(unit)
+        if value is None:
+            if len(self._open) >= 32:
+                self._open.pop(next(iter(self._open)))
+            value = self._open[unit] = opener(unit)
+        return value
+
+
+def _token_map(path: str, dtype, offset: int = 0) -> np.ndarray:
+    """The tokens of a file as a plain array over a read-only memory map (slices of it copy nothing)."""
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset).view(np.ndarray)
+
+
+# --------------------------------------------------------------------------------------------------
+# Megatron .bin/.idx
+# --------------------------------------------------------------------------------------------------
+
+
+def megatron_prefixes(spec: SourceSpec) -> list[str]:
+    """The dataset prefixes of a megatron spec: a prefix, an .idx or .bin file, a folder of pairs or a glob."""
+    path = os.path.expanduser(spec.path)
+    if any(ch in path for ch in "*?["):
+        files = [p for p in glob.glob(path, recursive=True) if p.endswith((".idx", ".bin"))]
+    elif os.path.isdir(path):
+        files = [os.path.join(root, n) for root, _, names in os.walk(path) for n in names
+                 if n.endswith((".idx", ".bin"))]
+        if not files:
+            raise ConfigError(f"{spec.key}: folder {spec.path!r} holds no Megatron .idx/.bin files")
+    elif path.endswith((".idx", ".bin")):
+        files = [path]
+    else:
+        files = [path + ".idx"]
+    prefixes = sorted({f[:-4] for f in files})
+    if not prefixes:
+        raise ConfigError(f"{spec.key}: no files match {spec.path!r}")
+    for prefix in prefixes:
+        idx, bin_ = prefix + ".idx", prefix + ".bin"
+        if not os.path.isfile(idx):
+            if os.path.isfile(bin_):
+                raise DataError(f"{bin_}: its index {os.path.basename(idx)} is missing; copy it beside the .bin")
+            raise ConfigError(f"{spec.key}: no such Megatron dataset {spec.path!r} (no {idx})")
+        if not os.path.isfile(bin_):
+            raise DataError(f"{idx}: its token file {os.path.basename(bin_)} is missing; copy it beside the .idx")
+    return prefixes
+
+
+def read_megatron_index(idx: str) -> dict:
+    """The header and arrays (memory-mapped) of an MMIDIDX index; damage is a DataError naming the file."""
+    size = os.path.getsize(idx)
+    with open(idx, "rb") as f:
+        head = f.read(_HEADER.size)
+    if len(head) < _HEADER.size or not head.startswith(MEGATRON_MAGIC):
+        raise DataError(f"{idx}: not a Megatron index (it does not start with {MEGATRON_MAGIC!r})")
+    _, version, code, n_seq, n_doc = _HEADER.unpack(head)
+    if version != 1:
+        raise DataError(f"{idx}: Megatron index version {version}; only version 1 is known")
+    if code not in MEGATRON_DTYPES:
+        raise DataError(f"{idx}: unknown token dtype code {code} (known: {sorted(MEGATRON_DTYPES)})")
+    need = _HEADER.size + 12 * n_seq + 8 * n_doc
+    if size < need:
+        raise DataError(f"{idx}: {size} bytes, but its header announces {n_seq} sequences and {n_doc} document "
+                        f"indices ({need} bytes); the index is truncated")
+    o = _HEADER.size
+    lengths = np.memmap(idx, np.int32, "r", o, (n_seq,)) if n_seq else np.zeros(0, np.int32)
+    pointers = np.memmap(idx, np.int64, "r", o + 4 * n_seq, (n_seq,)) if n_seq else np.zeros(0, np.int64)
+    docs = np.memmap(idx, np.int64, "r", o + 12 * n_seq, (n_doc,)) if n_doc else np.zeros(0, np.int64)
+    # Plain arrays over the maps: indexing an np.memmap element by element goes through its Python __getitem__.
+    return {"dtype": np.dtype(MEGATRON_DTYPES[code]), "lengths": lengths.view(np.ndarray),
+            "pointers": pointers.view(np.ndarray), "docs": docs.view(np.ndarray)}
+
+
+def _check_megatron_pair(prefix: str, index: dict) -> bool:
+    """Pointers inside the .bin (truncated files are a DataError); True when sequences are contiguous."""
+    idx, bin_ = prefix + ".idx", prefix + ".bin"
+    lengths, pointers, docs, item = index["lengths"], index["pointers"], index["docs"], index["dtype"].itemsize
+    if len(docs) < 2 or len(lengths) == 0:
+        raise DataError(f"{idx}: holds no documents (an empty dataset); leave it out of the data path")
+    if int(docs[0]) != 0 or int(docs[-1]) != len(lengths) or np.any(np.diff(docs) < 0):
+        raise DataError(f"{idx}: its document indices do not cover its {len(lengths)} sequences; the index is damaged")
+    bin_size = os.path.getsize(bin_)
+    contiguous = True
+    for a in range(0, len(lengths), _SCAN):
+        p = np.asarray(pointers[a:a + _SCAN], dtype=np.int64)
+        ends = p + np.asarray(lengths[a:a + _SCAN], dtype=np.int64) * item
+        worst = int(np.argmax(ends))
+        if ends[worst] > bin_size or int(p.min()) < 0:
+            raise DataError(f"{bin_}: {bin_size} bytes, but {os.path.basename(idx)} points to byte {int(ends[worst])} "
+                            f"(sequence {a + worst}); the .bin is truncated or belongs to another index")
+        nxt = pointers[a + 1:a + _SCAN + 1]
+        contiguous = contiguous and bool(np.array_equal(ends[:len(nxt)], nxt))
+    return contiguous
+
+
+class MegatronSource(_TokenFileSource):
+    kind = "megatron"
+
+    def __init__(self, spec, index, opts):
+        super().__init__(spec, index, opts)
+        self.units = megatron_prefixes(spec)
+        self.contiguous: list[bool] = []
+        for prefix in self.units:
+            meta = read_megatron_index(prefix + ".idx")
+            check_dtype(prefix + ".bin", meta["dtype"], opts)
+            self.contiguous.append(_check_megatron_pair(prefix, meta))
+            self.sizes.append(len(meta["docs"]) - 1)
+
+    def _unit(self, unit: int) -> dict:
+        def opener(u):
+            meta = read_megatron_index(self.units[u] + ".idx")
+            meta["tokens"] = _token_map(self.units[u] + ".bin", meta["dtype"])
+            return meta
+        return self._cached(unit, opener)
+
+    def _doc(self, unit, d):
+        m = self._unit(unit)
+        s0, s1 = int(m["docs"][d]), int(m["docs"][d + 1])
+        if s0 == s1:
+            return m["tokens"][:0]
+        item = m["dtype"].itemsize
+        if self.contiguous[unit]:
+            start = int(m["pointers"][s0]) // item
+            end = int(m["pointers"][s1 - 1]) // item + int(m["lengths"][s1 - 1])
+            return m["tokens"][start:end]
+        parts = [m["tokens"][int(m["pointers"][s]) // item:][:int(m["lengths"][s])] for s in range(s0, s1)]
+        return np.concatenate(parts)
+
+
+# --------------------------------------------------------------------------------------------------
+# OLMo numpy token arrays
+# --------------------------------------------------------------------------------------------------
+
+
+def numpy_sidecar(path: str) -> str:
+    """OLMo's metadata file of a token array: ``x.npy`` -> ``x.csv.gz`` (``start,end,...`` per document)."""
+    return path[:-4] + ".csv.gz" if path.endswith(".npy") else path + ".csv.gz"
+
+
+def open_numpy_tokens(path: str, opts: SourceOptions) -> np.ndarray:
+    """A flat token file as an array over a memory map: the NPY header's dtype, else data.numpy_dtype (auto:
+    uint16 when the model's vocabulary fits in 16 bits, else uint32)."""
+    size = os.path.getsize(path)
+    if size == 0:
+        raise DataError(f"{path}: empty file (no tokens); leave it out of the data path")
+    with open(path, "rb") as f:
+        head = f.read(len(_NPY_MAGIC))
+    if head == _NPY_MAGIC:
+        try:
+            arr = np.load(path, mmap_mode="r")
+        except ValueError as e:
+            raise DataError(f"{path}: unreadable NPY file ({e})") from None
+        if arr.ndim != 1:
+            raise DataError(f"{path}: holds an array of shape {arr.shape}; a token file is one flat array")
+        check_dtype(path, arr.dtype, opts)
+        if arr.size == 0:
+            raise DataError(f"{path}: empty array (no tokens); leave it out of the data path")
+        return arr.view(np.ndarray)
+    name = opts.numpy_dtype
+    if name == "auto":
+        name = "uint16" if max(opts.vocab_size, opts.tokenizer_vocab) <= 1 << 16 else "uint32"
+    dtype = np.dtype(name)
+    check_dtype(path, dtype, opts)
+    if size % dtype.itemsize:
+        raise DataError(f"{path}: {size} bytes is not a whole number of {dtype} tokens (a truncated file, or not "
+                        f"{dtype}: set data.numpy_dtype)")
+    return _token_map(path, dtype)
+
+
+def numpy_documents(path: str, tokens: np.ndarray, eos_id: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, ends) of the documents of a token array: from its .csv.gz sidecar, else one document up to
+    and including every EOS (and a last one without EOS if the array does not end with it)."""
+    sidecar = numpy_sidecar(path)
+    n = len(tokens)
+    if os.path.isfile(sidecar):
+        starts, ends = [], []
+        try:
+            with gzip.open(sidecar, "rt") as f:
+                for line in f:
+                    if line.strip():
+                        a, b, *_ = line.split(",", 2)
+                        starts.append(int(a))
+                        ends.append(int(b))
+        except (OSError, EOFError, ValueError) as e:
+            raise DataError(f"{sidecar}: unreadable document index ({e})") from None
+        s, e = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+        bad = np.flatnonzero((s < 0) | (e < s) | (e > n))
+        if len(bad):
+            raise DataError(f"{sidecar}: document {int(bad[0])} spans tokens {int(s[bad[0]])}..{int(e[bad[0]])}, "
+                            f"outside {os.path.basename(path)}'s {n} tokens; the sidecar belongs to another file")
+        return s, e
+    if eos_id is None:
+        raise ConfigError(f"{path}: no {os.path.basename(sidecar)} sidecar and the tokenizer has no EOS id to "
+                          "find documents by")
+    found = [np.flatnonzero(tokens[a:a + _SCAN] == eos_id) + (a + 1) for a in range(0, n, _SCAN)]
+    ends = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+    if not len(ends) or ends[-1] != n:
+        ends = np.append(ends, n)
+    ends = ends.astype(np.int64)
+    return np.concatenate([[0], ends[:-1]]).astype(np.int64), ends
+
+
+class NumpySource(_TokenFileSource):
+    """Coordinates are document numbers; a file's documents are found when it is first read (a pass over its
+    tokens for EOS, in bounded memory) or taken from its sidecar. ``sizes`` are token counts."""
+
+    kind = "numpy"
+
+    def __init__(self, spec, index, opts):
+        super().__init__(spec, index, opts)
+        self.units = expand_files(spec, (".npy",))
+        self._counts: dict[int, int] = {}
+        for path in self.units:
+            self.sizes.append(len(open_numpy_tokens(path, opts)))
+
+    def _unit(self, unit: int) -> tuple:
+        def opener(u):
+            tokens = open_numpy_tokens(self.units[u], self.opts)
+            starts, ends = numpy_documents(self.units[u], tokens, self.opts.eos_id)
+            self._counts[u] = len(starts)
+            return tokens, starts, ends
+        return self._cached(unit, opener)
+
+    def documents(self, unit: int) -> int:
+        if unit not in self._counts:
+            self._unit(unit)
+        return self._counts[unit]
+
+    def part(self, unit, shard, num_shards):
+        return range_part(self.documents(unit), shard, num_shards)
+
+    def check_cost(self):
+        return len(self.units) if sum(self.sizes) < (64 << 20) else float("inf")
+
+    def _doc(self, unit, d):
+        tokens, starts, ends = self._unit(unit)
+        return tokens[int(starts[d]):int(ends[d])]
+
+
+# --------------------------------------------------------------------------------------------------
+# Arrow IPC: text, or token lists (a row per document), or token columns (a record batch per document)
+# --------------------------------------------------------------------------------------------------
+
+
+def _arrow_batches(pa, path: str) -> list:
+    """The record batches of an Arrow IPC file (file or stream format), memory-mapped (nothing is copied)."""
+    source = pa.memory_map(path, "r")
+    try:
+        reader = pa.ipc.open_file(source)
+        return [reader.get_batch(i) for i in range(reader.num_record_batches)]
+    except pa.ArrowInvalid:
+        source.seek(0)
+        try:
+            return list(pa.ipc.open_stream(source))
+        except pa.ArrowInvalid as e:
+            raise DataError(f"{path}: not an Arrow IPC file or stream ({e})") from None
+
+
+def arrow_mode(pa, schema, path: str, opts: SourceOptions, key: str) -> str:
+    """"rows" (a list column of token ids), "batches" (an integer column: one document per record batch) or
+    "text" (data.text_field)."""
+    if opts.tokens_field in schema.names:
+        t = schema.field(opts.tokens_field).type
+        if (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type):
+            return "rows"
+        if pa.types.is_integer(t):
+            return "batches"
+        raise ConfigError(f"data.tokens_field: column {opts.tokens_field!r} of {path} holds {t}, not token ids "
+                          "(a list of integers per row, or integers with one record batch per document)")
+    if opts.text_field in schema.names:
+        return "text"
+    raise ConfigError(f"{key}: {path} has neither a token column data.tokens_field={opts.tokens_field!r} nor a text "
+                      f"column data.text_field={opts.text_field!r} (columns: {schema.names})")
+
+
+class ArrowSource(_TokenFileSource):
+    """Arrow IPC files (file or stream format, e.g. the .arrow files of datasets.save_to_disk or fms-fsdp's
+    token shards), memory-mapped: only the rows being read are paged in."""
+
+    kind = "arrow"
+
+    def __init__(self, spec, index, opts):
+        super().__init__(spec, index, opts)
+        pa = _import_pyarrow(spec)
+        self.units = expand_files(spec, (".arrow",))
+        self.modes: list[str] = []
+        for path in self.units:
+            batches = _arrow_batches(pa, path)
+            if not batches:
+                raise DataError(f"{path}: holds no record batch (an empty file); leave it out of the data path")
+            mode = arrow_mode(pa, batches[0].schema, path, opts, spec.key)
+            self.modes.append(mode)
+            self.sizes.append(len(batches) if mode == "batches" else sum(b.num_rows for b in batches))
+            if mode == "rows":
+                check_dtype(path, batches[0].schema.field(opts.tokens_field).type.value_type.to_pandas_dtype(), opts)
+            elif mode == "batches":
+                check_dtype(path, batches[0].schema.field(opts.tokens_field).type.to_pandas_dtype(), opts)
+        if len({m == "text" for m in self.modes}) > 1:
+            raise ConfigError(f"{spec.key}: {spec.path!r} mixes files with token columns and text-only files; "
+                              "give each its own source")
+        self.verbatim = self.modes[0] != "text"
+
+    def _unit(self, unit: int) -> dict:
+        def opener(u):
+            batches = _arrow_batches(_import_pyarrow(self.spec), self.units[u])
+            starts = np.cumsum([0] + [b.num_rows for b in batches])
+            return {"batches": batches, "starts": starts, "columns": {}}
+        return self._cached(unit, opener)
+
+    def iter_docs(self, unit, lo, hi, start, *, shard, num_shards, epoch):
+        if self.verbatim:
+            yield from _TokenFileSource.iter_docs(self, unit, lo, hi, start, shard=shard, num_shards=num_shards,
+                                                  epoch=epoch)
+            return
+        u = self._unit(unit)
+        for b, batch in enumerate(u["batches"]):
+            first, n = int(u["starts"][b]), batch.num_rows
+            begin, end = max(start, first), min(hi, first + n)
+            if begin < end:
+                values = batch.column(self.opts.text_field).slice(begin - first, end - begin).to_pylist()
+                for i, value in enumerate(values):
+                    yield begin + i, begin + i + 1, value
+            if first + n >= hi:
+                return
+
+    def load(self, unit, coord, next_coord, payload):
+        return _TokenFileSource.load(self, unit, coord, next_coord, payload) if self.verbatim else payload
+
+    def decode(self, payload):
+        return _TokenFileSource.decode(self, payload) if self.verbatim else _text_status(payload)
+
+    def _doc(self, unit, d):
+        u = self._unit(unit)
+        field = self.opts.tokens_field
+        if self.modes[unit] == "batches":
+            column = u["batches"][d].column(field)
+            return None if column.null_count else column.to_numpy(zero_copy_only=True)
+        b = int(np.searchsorted(u["starts"], d, side="right")) - 1
+        cached = u["columns"].get(b)
+        if cached is None:
+            column = u["batches"][b].column(field)
+            valid = column.is_valid().to_numpy(zero_copy_only=False) if column.null_count else None
+            if column.values.null_count:
+                raise DataError(f"{self.units[unit]}: record batch {b} holds null token ids")
+            cached = u["columns"][b] = (column.offsets.to_numpy(), column.values.to_numpy(zero_copy_only=True), valid)
+        offsets, values, valid = cached
+        r = d - int(u["starts"][b])
+        if valid is not None and not valid[r]:
+            return None
+        return values[int(offsets[r]):int(offsets[r + 1])]
