@@ -29,9 +29,9 @@ TASKS_DIR = Path(__file__).resolve().parents[1] / "assets" / "lm_eval_tasks"
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """A debugmodel checkpoint (random weights, seeded) and its fp32 export."""
+    """A debug_gqa checkpoint (random weights, seeded) and its fp32 export."""
     tmp = tmp_path_factory.mktemp("eval")
-    config = load_config(["--model.flavor", "debugmodel", "--training.seq_len", "64"], env={})
+    config = load_config(["--model.flavor", "debug_gqa", "--training.seq_len", "64"], env={})
     tok = load_tokenizer(config)
     model = fast_model(resolve_model_args(config, tok.vocab_size))
     dump = tmp / "run"

@@ -1,8 +1,8 @@
 """``trainer bench vs-torchtitan``: our trainer's steady step against torchtitan's, same shape and settings.
 
 Each trainer runs in a process of its own, one after the other, alternating which goes first, ``repeats``
-pairs. Both train the debug shape (dim 256, 6 layers, 16 query / 4 kv heads, vocabulary 2048 from the
-bundled BPE tokenizer) in float32 on one rank, with AdamW (fused, lr 3e-3, weight decay 0.1), clipping at
+pairs. Both train torchtitan's ``debugmodel`` flavor, which is the same model in both (dim 256, 6 layers,
+16 heads, vocabulary 2048, Llama 3.1 RoPE scaling; the bundled BPE tokenizer) in float32 on one rank, with AdamW (fused, lr 3e-3, weight decay 0.1), clipping at
 1.0, a 5-step warm-up, ``seq_len`` 256 x 8 sequences, no activation checkpointing, no compile, tokenizing
 the bundled Shakespeare sample on the fly in the training process, logging every 5 steps:
 
@@ -129,12 +129,8 @@ def torchtitan_worker(spec: dict) -> dict[str, Any]:
     """torchtitan's trainer in this process: warm-up, then timed cycles of its training-loop body."""
     _patch_torchtitan_for_cpu()
     from torchtitan.config import ConfigManager
-    from torchtitan.models.llama3 import TransformerModelArgs, llama3_args
     from torchtitan.train import Trainer
 
-    # The same shape as our debug model (16 query / 4 kv heads, vocabulary of the bundled tokenizer).
-    llama3_args["debugmodel"] = TransformerModelArgs(dim=256, n_layers=6, n_heads=16, n_kv_heads=4,
-                                                     vocab_size=2048, multiple_of=256, rope_theta=500000)
     single_rank_env()
     config = ConfigManager().parse_args(_torchtitan_argv(spec))
     trainer = Trainer(config)
@@ -161,7 +157,7 @@ def ours_worker(spec: dict) -> dict[str, Any]:
     import argparse
 
     s = SETTINGS
-    argv = ["--training.seq_len", str(s["seq_len"]), "--training.local_batch_size", str(s["local_batch_size"]),
+    argv = ["--model.flavor", "debugmodel", "--training.seq_len", str(s["seq_len"]), "--training.local_batch_size", str(s["local_batch_size"]),
             "--training.max_norm", str(s["max_norm"]), "--optimizer.lr", str(s["lr"]),
             "--optimizer.weight_decay", str(s["weight_decay"]), "--lr_scheduler.warmup_steps",
             str(s["warmup_steps"]), "--lr_scheduler.decay_type", "cosine", "--lr_scheduler.min_lr_factor", "0.1",
