@@ -2,7 +2,8 @@
 
 Each trainer runs in a process of its own, one after the other, alternating which goes first, ``repeats``
 pairs. Both train torchtitan's ``debugmodel`` flavor, which is the same model in both (dim 256, 6 layers,
-16 heads, vocabulary 2048, Llama 3.1 RoPE scaling; the bundled BPE tokenizer) in float32 on one rank, with AdamW (fused, lr 3e-3, weight decay 0.1), clipping at
+16 heads, vocabulary 2048, Llama 3.1 RoPE scaling; the bundled BPE tokenizer) in float32 on one rank, with AdamW (fused, lr 3e-3, weight decay 0.1 on every
+parameter, as torchtitan decays: ``optimizer.weight_decay_norms_and_biases`` here), clipping at
 1.0, a 5-step warm-up, ``seq_len`` 256 x 8 sequences, no activation checkpointing, no compile, tokenizing
 the bundled Shakespeare sample on the fly in the training process, logging every 5 steps:
 
@@ -159,7 +160,8 @@ def ours_worker(spec: dict) -> dict[str, Any]:
     s = SETTINGS
     argv = ["--model.flavor", "debugmodel", "--training.seq_len", str(s["seq_len"]), "--training.local_batch_size", str(s["local_batch_size"]),
             "--training.max_norm", str(s["max_norm"]), "--optimizer.lr", str(s["lr"]),
-            "--optimizer.weight_decay", str(s["weight_decay"]), "--lr_scheduler.warmup_steps",
+            "--optimizer.weight_decay", str(s["weight_decay"]), "--optimizer.weight_decay_norms_and_biases",
+            "--lr_scheduler.warmup_steps",
             str(s["warmup_steps"]), "--lr_scheduler.decay_type", "cosine", "--lr_scheduler.min_lr_factor", "0.1",
             "--metrics.log_freq", str(s["log_freq"]), "--activation_checkpoint.mode", "none",
             "--data.num_workers", "0", "--training.dataset", "shakespeare"]
