@@ -24,6 +24,11 @@ Here:
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C while torch is imported (seconds): one line, exit 130
+    from trainer.interrupt import quiet_keyboard_interrupt
+
+    quiet_keyboard_interrupt()
+
 import json
 import logging
 import os

@@ -10,6 +10,11 @@ trainer/setup.py: ``trainer simulate`` calls the same ones.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before torch's import, which takes seconds: Ctrl-C there is one line, exit 130
+    from trainer.interrupt import quiet_keyboard_interrupt
+
+    quiet_keyboard_interrupt()
+
 import errno
 import functools
 import gc
