@@ -58,10 +58,14 @@ _PROBE = "The quick brown fox jumps over the lazy dog. 0123 àéîõü 日本語
 
 
 def tokenizer_fingerprint(tokenizer) -> dict:
-    """Identifies a tokenizer well enough to refuse pre-tokenized data made with another one."""
+    """Identifies a tokenizer well enough to refuse pre-tokenized data made with another one: its size,
+    BOS/EOS, an encoded probe text and a hash of its whole vocabulary (a difference in one id shows).
+    ``path`` only names it in messages (the same tokenizer may live elsewhere)."""
+    from tokenizer import vocabulary_digest
+
     probe = hashlib.sha1(np.asarray(tokenizer.encode(_PROBE), dtype=np.int64).tobytes()).hexdigest()[:16]
     return {"vocab_size": int(tokenizer.vocab_size), "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id,
-            "probe": probe}
+            "probe": probe, "vocabulary": vocabulary_digest(tokenizer), "path": str(getattr(tokenizer, "path", ""))}
 
 
 def data_seed(config) -> int:
