@@ -68,6 +68,24 @@ def tokenizer_fingerprint(tokenizer) -> dict:
             "probe": probe, "vocabulary": vocabulary_digest(tokenizer), "path": str(getattr(tokenizer, "path", ""))}
 
 
+def check_prepared_tokenizer(spec, have: dict, want: dict) -> None:
+    """Refuse prepared tokens made with a tokenizer other than the run's: one line naming both. ``path`` is
+    not compared (the same tokenizer may have moved); a folder prepared before vocabulary hashes were
+    recorded is compared on what it recorded."""
+    if not want:
+        return
+    keys = [k for k in want if k != "path" and (k in have or k != "vocabulary")]
+    differ = [k for k in keys if have.get(k) != want[k]]
+    if differ:
+        raise ConfigError(
+            f"{spec.key}: {spec.path!r} was prepared with tokenizer {have.get('path') or '(path not recorded)'} "
+            f"but this run's is {want.get('path') or '(unnamed)'}, and they differ in "
+            + ", ".join(f"{k} ({have.get(k)} vs {want[k]})" for k in differ)
+            + "; prepare the data again with this run's tokenizer (trainer data prepare) or set "
+              "model.tokenizer_path to the one it was prepared with"
+        )
+
+
 def data_seed(config) -> int:
     if config.data.seed is not None:
         return int(config.data.seed)
@@ -90,9 +108,11 @@ def build_plan(config, tokenizer, specs: list[SourceSpec], weights: list[float],
     seed = data_seed(config)
     fingerprint = tokenizer_fingerprint(tokenizer) if any(s.kind == "tokens" for s in specs) else {}
     opts = SourceOptions(text_field=d.text_field, text_document=d.text_document, seed=seed, shuffle=shuffle,
-                         shuffle_window=d.shuffle_window, tokenizer_fingerprint=fingerprint)
+                         shuffle_window=d.shuffle_window)
     sources = [build_source(spec, i, opts) for i, spec in enumerate(specs)]
     for src in sources:
+        if src.kind == "tokens":
+            check_prepared_tokenizer(src.spec, src.meta.get("tokenizer", {}), fingerprint)
         if src.partition == "modulo" and len(src.units) < num_shards:
             raise ConfigError(
                 f"{src.spec.key}: {len(src.units)} files, one document each (data.text_document = file), cannot "

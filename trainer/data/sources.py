@@ -81,7 +81,6 @@ class SourceOptions:
     seed: int = 0
     shuffle: bool = True
     shuffle_window: int = 1024
-    tokenizer_fingerprint: dict = field(default_factory=dict, hash=False, compare=False)
 
 
 def parse_source(text: str, *, key: str, split: str = "train") -> SourceSpec:
@@ -525,24 +524,6 @@ class ArrowSource(_ColumnSource):
                 yield begin + i, begin + i + 1, value
 
 
-def check_prepared_tokenizer(spec, have: dict, want: dict) -> None:
-    """Refuse prepared tokens made with a tokenizer other than the run's: one line naming both. ``path`` is
-    not compared (the same tokenizer may have moved); a folder prepared before vocabulary hashes were
-    recorded is compared on what it recorded."""
-    if not want:
-        return
-    keys = [k for k in want if k != "path" and (k in have or k != "vocabulary")]
-    differ = [k for k in keys if have.get(k) != want[k]]
-    if differ:
-        raise ConfigError(
-            f"{spec.key}: {spec.path!r} was prepared with tokenizer {have.get('path') or '(path not recorded)'} "
-            f"but this run's is {want.get('path') or '(unnamed)'}, and they differ in "
-            + ", ".join(f"{k} ({have.get(k)} vs {want[k]})" for k in differ)
-            + "; prepare the data again with this run's tokenizer (trainer data prepare) or set "
-              "model.tokenizer_path to the one it was prepared with"
-        )
-
-
 class TokenSource(Source):
     """A folder written by ``trainer data prepare``: per input unit a flat token file (uint16/uint32
     memmap) plus document boundaries, original coordinates and statuses."""
@@ -561,7 +542,6 @@ class TokenSource(Source):
             self.meta = json.load(f)
         if self.meta.get("format") != TOKENS_FORMAT:
             raise ConfigError(f"{spec.key}: {meta_path} has format {self.meta.get('format')!r}, want {TOKENS_FORMAT!r}")
-        check_prepared_tokenizer(spec, self.meta.get("tokenizer", {}), opts.tokenizer_fingerprint)
         self.folder = folder
         self.units = [u["name"] for u in self.meta["units"]]
         self.sizes = [int(u["size"]) for u in self.meta["units"]]
