@@ -92,9 +92,54 @@ def data_seed(config) -> int:
     return int(config.debug.seed) if config.debug.seed is not None else 0
 
 
+def _empty_shards(src, num_shards: int) -> list[int]:
+    """The shards of ``num_shards`` in which no document of ``src`` starts; [] when too costly to know."""
+    if src.partition == "modulo" and len(src.units) < num_shards:
+        return list(range(len(src.units), num_shards))
+    if src.check_cost() * num_shards > 100_000:
+        return []
+    return [j for j in range(num_shards) if src.shard_is_empty(j, num_shards)]
+
+
+def _check_shards(src, num_shards: int, text_field: str) -> None:
+    """Too many shards for small data is a likely mistake: say so now rather than at the first batch."""
+    empty = _empty_shards(src, num_shards)
+    if src.partition == "modulo" and len(src.units) < num_shards:
+        raise ConfigError(
+            f"{src.spec.key}: {len(src.units)} files, one document each (data.text_document = file), cannot "
+            f"feed data.num_shards = {num_shards} shards; lower data.num_shards or use more files"
+        )
+    if empty and len(empty) == num_shards:  # no shard count helps: the data itself is empty
+        raise ConfigError(f"{src.spec.key}: {src.label} holds no document (an empty file, or none with "
+                          f"text in data.text_field {text_field!r})")
+    if empty:
+        raise ConfigError(
+            f"{src.spec.key}: {src.label} is too small for data.num_shards = {num_shards}: {len(empty)} "
+            f"shard(s) would hold no document (e.g. shard {empty[0]}); lower data.num_shards"
+        )
+
+
+def _fitting_shards(sources, num_shards: int, multiple: int) -> int:
+    """data.num_shards left at its default: the largest count up to it, a multiple of the data-parallel
+    degree, that gives every shard of every source a document; said in one line when lower than the
+    default. The same data gives the same count on every rank and launch."""
+    if not any(_empty_shards(src, num_shards) for src in sources):
+        return num_shards
+    for n in range(num_shards - num_shards % multiple, 0, -multiple):
+        if not any(_empty_shards(src, n) for src in sources):
+            small = next(src for src in sources if _empty_shards(src, num_shards))
+            logger.info("data.num_shards: %s holds too few documents for the default %d shards; using %d "
+                        "(set data.num_shards to choose)", small.label, num_shards, n)
+            return n
+    return num_shards  # none fits: the check names the data and the key
+
+
 def build_plan(config, tokenizer, specs: list[SourceSpec], weights: list[float], *, num_shards: int,
-               shuffle: bool, max_epochs: int | None, seq_len: int | None = None) -> DataPlan:
-    """Resolve sources (start-up errors for missing files happen here) and the packing settings."""
+               shuffle: bool, max_epochs: int | None, seq_len: int | None = None,
+               shard_multiple: int | None = None) -> DataPlan:
+    """Resolve sources (start-up errors for missing files happen here) and the packing settings.
+    ``shard_multiple`` (data.num_shards not set by the user): ``num_shards`` may be lowered to the largest
+    multiple of it that the data fills (:func:`_fitting_shards`)."""
     d = config.data
     from tokenizer.policy import run_separator
 
@@ -113,22 +158,10 @@ def build_plan(config, tokenizer, specs: list[SourceSpec], weights: list[float],
     for src in sources:
         if src.kind == "tokens":
             check_prepared_tokenizer(src.spec, src.meta.get("tokenizer", {}), fingerprint)
-        if src.partition == "modulo" and len(src.units) < num_shards:
-            raise ConfigError(
-                f"{src.spec.key}: {len(src.units)} files, one document each (data.text_document = file), cannot "
-                f"feed data.num_shards = {num_shards} shards; lower data.num_shards or use more files"
-            )
-        # Too many shards for small data is a likely mistake: say so now rather than at the first batch.
-        if src.check_cost() * num_shards <= 100_000:
-            empty = [j for j in range(num_shards) if src.shard_is_empty(j, num_shards)]
-            if len(empty) == num_shards:  # no shard count helps: the data itself is empty
-                raise ConfigError(f"{src.spec.key}: {src.label} holds no document (an empty file, or none with "
-                                  f"text in data.text_field {d.text_field!r})")
-            if empty:
-                raise ConfigError(
-                    f"{src.spec.key}: {src.label} is too small for data.num_shards = {num_shards}: {len(empty)} "
-                    f"shard(s) would hold no document (e.g. shard {empty[0]}); lower data.num_shards"
-                )
+    if shard_multiple is not None:
+        num_shards = _fitting_shards(sources, num_shards, shard_multiple)
+    for src in sources:
+        _check_shards(src, num_shards, d.text_field)
     strip = tuple(t for t in (tokenizer.bos_id, tokenizer.eos_id) if t is not None)
     return DataPlan(
         sources=sources, weights=list(weights), tokenizer=tokenizer, seq_len=int(seq_len or config.training.seq_len),
@@ -537,13 +570,15 @@ def build_train_loader(config, tokenizer, *, dp_rank: int, dp_world_size: int) -
     b, g, _ = batch_geometry(config, dp_world_size)
     specs, weights = training_specs(config)
     d = config.data
-    plan = build_plan(config, tokenizer, specs, weights, num_shards=d.num_shards, shuffle=d.shuffle, max_epochs=None)
+    auto = None if config.explicitly_set("data.num_shards") else dp_world_size
+    plan = build_plan(config, tokenizer, specs, weights, num_shards=d.num_shards, shuffle=d.shuffle, max_epochs=None,
+                      shard_multiple=auto)
     workers = max(1, d.num_workers)
-    if workers > 1 and (d.num_shards // dp_world_size) % (b * workers):
+    if workers > 1 and (plan.num_shards // dp_world_size) % (b * workers):
         logger.warning(
             "data.num_shards (%d) is not a multiple of data-parallel degree (%d) x local_batch_size (%d) x "
             "data.num_workers (%d): loader workers will share shards and tokenize some data twice",
-            d.num_shards, dp_world_size, b, workers,
+            plan.num_shards, dp_world_size, b, workers,
         )
     return TrainLoader(plan, dp_rank=dp_rank, dp_world_size=dp_world_size, local_batch_size=b,
                        global_batch_size=g, num_workers=d.num_workers, prefetch_factor=d.prefetch_factor,
