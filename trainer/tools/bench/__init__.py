@@ -93,7 +93,7 @@ def _internal(command: str, spec: dict) -> int:
             result = gpu_case(spec)
         except torch.OutOfMemoryError as e:
             result = {"error": f"out of memory: {str(e).splitlines()[0]}", "oom": True}
-    elif spec["role"] in ("ours", "torchtitan"):
+    elif spec["role"] in ("ours", "torchtitan", "ours_losses", "torchtitan_losses"):
         from . import vs_torchtitan
 
         if spec.get("threads"):
