@@ -165,5 +165,5 @@ def test_default_num_shards_is_lowered_to_what_a_small_file_fills(tmp_path, capl
         assert build_train_loader(config, tok, dp_rank=0, dp_world_size=1).plan.num_shards == 5
     lines = [r.getMessage() for r in caplog.records if "data.num_shards" in r.getMessage()]
     assert len(lines) == 2 and "using 4" in lines[0] and "set data.num_shards" in lines[0], lines
-    with pytest.raises(ConfigError, match="lower data.num_shards"):  # no count the 8 ranks divide fits
+    with pytest.raises(ConfigError, match="too few documents for 8 data-parallel ranks"):  # no count fits
         build_train_loader(config, tok, dp_rank=0, dp_world_size=8)

@@ -131,7 +131,11 @@ def _fitting_shards(sources, num_shards: int, multiple: int) -> int:
             logger.info("data.num_shards: %s holds too few documents for the default %d shards; using %d "
                         "(set data.num_shards to choose)", small.label, num_shards, n)
             return n
-    return num_shards  # none fits: the check names the data and the key
+    small = next(src for src in sources if _empty_shards(src, multiple))
+    if len(_empty_shards(small, multiple)) == multiple:
+        return num_shards  # no document at all: the check says so
+    raise ConfigError(f"{small.spec.key}: {small.label} holds too few documents for {multiple} data-parallel ranks "
+                      "(data.num_shards must be a multiple of their number): add data or train on fewer ranks")
 
 
 def build_plan(config, tokenizer, specs: list[SourceSpec], weights: list[float], *, num_shards: int,
