@@ -39,6 +39,9 @@ def usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from trainer.interrupt import quiet_keyboard_interrupt
+
+    quiet_keyboard_interrupt("interrupted (Ctrl-C)")  # a command's start-up (torch's import) included
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())

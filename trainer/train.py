@@ -10,6 +10,11 @@ trainer/setup.py: ``trainer simulate`` calls the same ones.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before torch's import, which takes seconds: Ctrl-C there is one line, exit 130
+    from trainer.interrupt import quiet_keyboard_interrupt
+
+    quiet_keyboard_interrupt()
+
 import errno
 import functools
 import gc
@@ -32,7 +37,7 @@ from trainer.callbacks import CallbackList, RunView, build_callbacks
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.state import TrainState
 from trainer.config import JobConfig, help_text, load_config, to_toml, validate
-from trainer.errors import OutputError, TrainerError
+from trainer.errors import OutputError, PeerLost, TrainerError
 from trainer.data.loader import build_train_loader, build_val_loader
 from trainer.data.checks import grad_accum_steps
 from trainer.data.faults import SkipMonitor
@@ -443,6 +448,20 @@ def collective_failure_note(exc: BaseException, trainer: "Trainer | None") -> st
     return f"collective {what} on {where}: {pending_collective()}; error: {text.strip().splitlines()[0][:300]}"
 
 
+def peer_failure(exc: BaseException, trainer: "Trainer | None") -> str | None:
+    """The one line for an error that says another rank or node stopped or hung (a collective that timed out
+    or lost its peer; the job's store gone, as when another node fails during start-up); None for others."""
+    note = collective_failure_note(exc, trainer)
+    if note is not None:
+        return note
+    if isinstance(exc, dist.DistError):  # DistNetworkError, DistStoreError: the job's TCP store
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        return (f"rank {os.environ.get('RANK', 0)} (node {os.environ.get('GROUP_RANK', 0)}, host "
+                f"{socket.gethostname()}) lost the job's store: another node or rank stopped "
+                f"first (its console has the cause) or the rendezvous endpoint is unreachable; error: {first}")
+    return None
+
+
 def pending_collective() -> str:
     """The collective this rank is stuck in, from the flight recorder (comm.trace_buf_size)."""
     try:
@@ -522,10 +541,12 @@ def main(argv: list[str] | None = None) -> int:
         launch.record_failure(out.label, str(out))
         return out.exit_code
     except Exception as e:
-        note = collective_failure_note(e, trainer)
-        if note is not None:
-            logger.error(note)
-        raise
+        line = peer_failure(e, trainer)
+        if line is None:
+            raise  # a bug: its traceback
+        logger.error(line)  # another rank's or node's failure seen from here: one line, no traceback
+        launch.record_failure(PeerLost.label, line)
+        return PeerLost.exit_code
     finally:
         if lock is not None:
             lock.release()

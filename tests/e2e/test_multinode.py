@@ -377,7 +377,7 @@ def test_killed_worker_restarts_and_resumes(runs, batches):
     assert "rank 2 kills itself (SIGKILL) before step 3" in log, run.tail()
     assert re.search(r"checkpoint \S*step-2 loaded", log), run.tail()
     # Both attempts built the model (the second after torchrun's restart) and the run completed.
-    assert log.count("[rank 0] INFO model llama3 debugmodel") == 2, run.tail()
+    assert log.count("[rank 0] INFO model llama3 debug_gqa") == 2, run.tail()
     steps = [r["step"] for r in read_metrics(run.dump)]
     assert steps[:2] == [1, 2] and steps[-2:] == [3, 4], steps
     assert_same_losses(run, ref)

@@ -237,6 +237,8 @@ DEFAULT_DIFFERENCES = {
     "metrics.enable_tensorboard": "the events are small and always worth plotting; set false to match",
     "model.hf_assets_path": "the bundled debug tokenizer stands in for torchtitan's ./tests/assets/tokenizer, "
                             "which exists only inside its repository",
+    "model.flavor": "this trainer's debug model (4 key/value heads, vocabulary from the tokenizer); torchtitan's "
+                    "is flavor debugmodel, key for key",
     "training.dataset": "the bundled Shakespeare sample needs no download",
     "validation.dataset": "the bundled Shakespeare sample's validation split",
     "validation.seq_len": "-1: training.seq_len, so the validation loss compares with the training loss",
