@@ -6,6 +6,6 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/setup_env.sh
-ensure_env "[dev]" "pytest transformers" || exit 1
+ensure_env "[dev]" "pytest transformers torchft" || exit 1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec "$PYTHON" -m pytest -q "$@"

@@ -50,13 +50,16 @@ def record_failure(label: str, message: str) -> None:
         pass  # the console line was printed already; the report just lacks it
 
 
-def _job(trainer_argv: list[str]) -> tuple[str, int]:
-    """(job.dump_folder, job.lock_stale_after_s) of the trainer's command line."""
+def _job(trainer_argv: list[str]) -> tuple[str, int, str | None]:
+    """(job.dump_folder, job.lock_stale_after_s, the job's name for the run lock when it is one replica group
+    of a fault-tolerant job) of the trainer's command line."""
+    from trainer.fault_tolerance.config import job_identity as replica_group_job
+
     try:
-        job = load_config(trainer_argv).job  # parsing only: the pre-flight validated
-        return job.dump_folder, job.lock_stale_after_s
+        config = load_config(trainer_argv)  # parsing only: the pre-flight validated
+        return config.job.dump_folder, config.job.lock_stale_after_s, replica_group_job(config)
     except Exception:  # the pre-flight has validated the config; this is only where the log goes
-        return "./outputs", 300
+        return "./outputs", 300, None
 
 
 def job_identity(args) -> str | None:
@@ -125,13 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import parse_args, run
 
     args = parse_args(argv)
-    dump_folder, stale_after_s = _job(list(args.training_script_args))
+    dump_folder, stale_after_s, replica_group_job = _job(list(args.training_script_args))
     from trainer.errors import TrainerError
 
     lock = None
     try:
         log_path = _log_file(dump_folder)
-        lock = _take_lock(dump_folder, stale_after_s, job_identity(args))
+        lock = _take_lock(dump_folder, stale_after_s, replica_group_job or job_identity(args))
     except TrainerError as e:
         print(f"{e.label}: {e}", file=sys.stderr)
         return e.exit_code
