@@ -133,3 +133,23 @@ def test_a_killed_group_rejoins_from_a_live_group(tmp_path):
     assert recovery["from_step"] == 0 and recovery["step"] > stopped_at
     assert s1["fault_tolerance"]["steps_missed"] == recovery["step"] - 1
     assert records(dump, 1)[0]["step"] == recovery["step"]
+
+
+@pytest.mark.parametrize("method, extra", [("local_sgd", ()), ("diloco", ("--fault_tolerance.num_fragments", "2"))])
+def test_semi_synchronous_groups_synchronise_every_sync_steps(tmp_path, method, extra):
+    lh, address = lighthouse(tmp_path, min_replicas=2)
+    dump = tmp_path / "job"
+    try:
+        procs = [start_group(dump, r, address, "--training.steps", "8", "--fault_tolerance.semi_sync_method", method,
+                             "--fault_tolerance.sync_steps", "4", *extra) for r in (0, 1)]
+        finish(procs, dump)
+    finally:
+        kill_tree(lh)
+    by_group = [{r["step"]: r for r in records(dump, g)} for g in (0, 1)]
+    assert all(by_group[g][8]["replica_groups"] == 2 for g in (0, 1))
+    assert by_group[0][8]["loss"] != by_group[1][8]["loss"]  # each group trains on its own part of the data
+    s0, s1 = summary(dump, 0), summary(dump, 1)
+    if method == "local_sgd":  # parameters averaged at step 8, the last: the same on both groups
+        assert s0["weights_sha256"] == s1["weights_sha256"]
+    else:  # Streaming DiLoCo: at step 8 one fragment was synchronised, the other two steps before
+        assert s0["weights_sha256"] != s1["weights_sha256"]

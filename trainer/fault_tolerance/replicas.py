@@ -276,7 +276,16 @@ def model_fragments(model, cfg: FaultTolerance) -> list:
         names = [layers[bounds[i]:bounds[i + 1]] for i in range(n)]
         names[0] = ["tok_embeddings", *names[0]]
         names[-1] = [*names[-1], "norm", "output"]
-    return [nn.ModuleList([model.get_submodule(name) for name in fragment]) for fragment in names]
+    try:
+        fragments = [nn.ModuleList([model.get_submodule(name) for name in fragment]) for fragment in names]
+    except AttributeError as e:
+        raise ConfigError(f"fault_tolerance.module_fqns_per_model_fragment: {e}") from None
+    covered = {id(p) for f in fragments for p in f.parameters()}
+    left = [name for name, p in model.named_parameters() if id(p) not in covered]
+    if left:
+        raise ConfigError(f"fault_tolerance.module_fqns_per_model_fragment leaves out {', '.join(left[:4])}"
+                          f"{' ...' if len(left) > 4 else ''}: DiLoCo would never synchronise them; name every module")
+    return fragments
 
 
 def build_semi_sync(method: str, cfg: FaultTolerance, manager, model, optimizer, device: torch.device):
