@@ -46,9 +46,9 @@ def lighthouse(folder: Path, min_replicas: int) -> tuple[subprocess.Popen, str]:
     return proc, f"http://localhost:{port}"
 
 
-def start_group(dump: Path, replica_id: int, address: str, *args: str) -> subprocess.Popen:
+def start_group(dump: Path, replica_id: int, address: str, *args: str, nproc: int = 1) -> subprocess.Popen:
     return start_train(dump, "--fault_tolerance.enable", "--fault_tolerance.group_size", "2",
-                       "--fault_tolerance.replica_id", str(replica_id), *args,
+                       "--fault_tolerance.replica_id", str(replica_id), *args, nproc=nproc,
                        env={"TORCHFT_LIGHTHOUSE": address}, log=dump.parent / f"group{replica_id}.log")
 
 
@@ -78,11 +78,14 @@ def finish(procs: list[subprocess.Popen], dump: Path, timeout: float = 600) -> N
 
 
 @pytest.mark.runs(SINGLE)
-def test_two_groups_without_a_fault_train_as_one_job(tmp_path, batches):
+@pytest.mark.parametrize("nproc", [1, 2], ids=["2x1", "2x2_fsdp"])
+def test_two_groups_without_a_fault_train_as_one_job(tmp_path, batches, nproc):
+    """2 groups of 1 process, and of 2 processes with FSDP inside each group (HSDP's layout)."""
     lh, address = lighthouse(tmp_path, min_replicas=2)  # both groups in every quorum, from the first step
     dump = tmp_path / "job"
     try:
-        procs = [start_group(dump, r, address, *STEPS, "--training.local_batch_size", "4") for r in (0, 1)]
+        procs = [start_group(dump, r, address, *STEPS, "--training.local_batch_size", str(4 // nproc), nproc=nproc)
+                 for r in (0, 1)]
         finish(procs, dump)
     finally:
         kill_tree(lh)
@@ -97,13 +100,14 @@ def test_two_groups_without_a_fault_train_as_one_job(tmp_path, batches):
     assert s0["tokens_seen"] == batches.get(SINGLE).records()[5]["tokens_seen"]
 
 
-def test_a_killed_group_rejoins_from_a_live_group(tmp_path):
+@pytest.mark.parametrize("nproc", [1, 2], ids=["2x1", "2x2_fsdp"])
+def test_a_killed_group_rejoins_from_a_live_group(tmp_path, nproc):
     lh, address = lighthouse(tmp_path, min_replicas=1)
     dump = tmp_path / "job"
     args = ("--training.steps", "30", "--fault_tolerance.process_group_timeout_ms", "5000")
     env_log = dump.parent / "group1.log"
     try:
-        procs = [start_group(dump, r, address, *args) for r in (0, 1)]
+        procs = [start_group(dump, r, address, *args, nproc=nproc) for r in (0, 1)]
         wait_for(lambda: any(r["replica_groups"] == 2 for r in records(dump, 0) if r["step"] >= 2),
                  "both groups stepping together", proc=procs[0], log=dump.parent / "group0.log")
         kill_tree(procs[1])  # kill -9 of the whole group: launcher and worker
@@ -117,7 +121,7 @@ def test_a_killed_group_rejoins_from_a_live_group(tmp_path):
         kill_tree(procs[0], signal.SIGSTOP)
         stopped_at = last_step(dump, 0)
         try:
-            procs[1] = start_group(dump, 1, address, *args)
+            procs[1] = start_group(dump, 1, address, *args, nproc=nproc)
             wait_for(lambda: env_log.exists() and "fault tolerance: replica group 1 of 2" in env_log.read_text(),
                      "group 1 starting again", proc=procs[1], log=env_log)
         finally:
