@@ -50,16 +50,18 @@ def record_failure(label: str, message: str) -> None:
         pass  # the console line was printed already; the report just lacks it
 
 
-def _job(trainer_argv: list[str]) -> tuple[str, int, str | None]:
+def _job(trainer_argv: list[str]) -> tuple[str, int, str | None, str]:
     """(job.dump_folder, job.lock_stale_after_s, the job's name for the run lock when it is one replica group
-    of a fault-tolerant job) of the trainer's command line."""
-    from trainer.fault_tolerance.config import job_identity as replica_group_job
+    of a fault-tolerant job, the folder this launch's outputs go to) of the trainer's command line."""
+    from trainer.fault_tolerance.config import job_identity as replica_group_job, use_replica_folder
 
     try:
         config = load_config(trainer_argv)  # parsing only: the pre-flight validated
-        return config.job.dump_folder, config.job.lock_stale_after_s, replica_group_job(config)
+        dump_folder, identity = config.job.dump_folder, replica_group_job(config)
+        use_replica_folder(config)  # a replica group's outputs: <dump_folder>/replica_<id>
+        return dump_folder, config.job.lock_stale_after_s, identity, config.job.dump_folder
     except Exception:  # the pre-flight has validated the config; this is only where the log goes
-        return "./outputs", 300, None
+        return "./outputs", 300, None, "./outputs"
 
 
 def job_identity(args) -> str | None:
@@ -128,12 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import parse_args, run
 
     args = parse_args(argv)
-    dump_folder, stale_after_s, replica_group_job = _job(list(args.training_script_args))
+    dump_folder, stale_after_s, replica_group_job, outputs = _job(list(args.training_script_args))
     from trainer.errors import TrainerError
 
     lock = None
     try:
-        log_path = _log_file(dump_folder)
+        log_path = _log_file(outputs)
         lock = _take_lock(dump_folder, stale_after_s, replica_group_job or job_identity(args))
     except TrainerError as e:
         print(f"{e.label}: {e}", file=sys.stderr)
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line, file=sys.stderr)
         return code
     except SignalException as e:  # SIGTERM/SIGINT to the launcher: the workers were stopped
-        saved = _summary_error(dump_folder)
+        saved = _summary_error(outputs)
         print(f"stopped by signal {e.sigval.name}" + (f": {saved}" if saved else "") +
               f"; torchrun's log: {log_path}", file=sys.stderr)
         return 128 + int(e.sigval)
