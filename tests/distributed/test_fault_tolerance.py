@@ -1,11 +1,12 @@
 """[fault_tolerance]: replica groups over torchft, with a real lighthouse (`trainer lighthouse`) and each group
-launched as users do (run_train.sh with its fault_tolerance.replica_id), on CPU over gloo.
+launched as users do (run_train.sh with its fault_tolerance.replica_id), on CPU over gloo. Each test costs
+two launches, so there are few: groups of 2 processes (FSDP inside each group) throughout.
 
-- Without a fault, two groups of one process train as one job: their losses are the single-process
-  reference's (which plain HSDP reproduces, tests/distributed/test_parallel.py) and their final weights are
-  bitwise equal.
+- Without a fault, two groups train as one job: their losses are plain HSDP's on the same global batch
+  and their final weights are bitwise equal.
 - kill -9 of group 1 mid-run: group 0 keeps stepping while it is down; group 1 started again takes the live
   group's state (torchft's recovery, not a checkpoint) and both finish with bitwise-equal weights.
+- DiLoCo: the groups step on their own and synchronise every sync_steps steps.
 """
 
 from __future__ import annotations
@@ -19,13 +20,18 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.batches import spec
 from tests.support.launch import start_train
-from tests.support.parity import SINGLE, STEPS, relative_diffs
+from tests.support.parity import STEPS, relative_diffs
 from tests.support.processes import free_port, kill_tree, popen, wait_for
 
 pytest.importorskip("torchft")
 
 pytestmark = pytest.mark.slow
+
+# Plain HSDP, 2 replicas x 2 FSDP ranks (the same run as tests/distributed/test_parallel.py's layout_hsdp2x2).
+HSDP = spec("layout_hsdp2x2", 4, *STEPS, "--training.local_batch_size", "2",
+            "--parallelism.data_parallel_replicate_degree", "2")
 
 
 def lighthouse(folder: Path, min_replicas: int) -> tuple[subprocess.Popen, str]:
@@ -77,31 +83,30 @@ def finish(procs: list[subprocess.Popen], dump: Path, timeout: float = 600) -> N
         assert rc == 0, f"group {r} ended with {rc}:\n{log}"
 
 
-@pytest.mark.runs(SINGLE)
-@pytest.mark.parametrize("nproc", [1, 2], ids=["2x1", "2x2_fsdp"])
-def test_two_groups_without_a_fault_train_as_one_job(tmp_path, batches, nproc):
-    """2 groups of 1 process, and of 2 processes with FSDP inside each group (HSDP's layout)."""
+@pytest.mark.runs(HSDP)
+def test_two_groups_without_a_fault_train_as_plain_hsdp(tmp_path, batches):
+    """2 groups of 2 processes (FSDP inside each group) against plain HSDP 2 x 2 on the same global batch."""
     lh, address = lighthouse(tmp_path, min_replicas=2)  # both groups in every quorum, from the first step
     dump = tmp_path / "job"
     try:
-        procs = [start_group(dump, r, address, *STEPS, "--training.local_batch_size", str(4 // nproc), nproc=nproc)
-                 for r in (0, 1)]
+        procs = [start_group(dump, r, address, *STEPS, "--training.local_batch_size", "2", nproc=2) for r in (0, 1)]
         finish(procs, dump)
     finally:
         kill_tree(lh)
     by_group = [{r["step"]: r for r in records(dump, g)} for g in (0, 1)]
     assert [r["replica_groups"] for r in by_group[0].values()] == [2] * 5
     assert {s: r["loss"] for s, r in by_group[0].items()} == {s: r["loss"] for s, r in by_group[1].items()}
-    diffs = relative_diffs({s: r["loss"] for s, r in by_group[0].items()}, batches.get(SINGLE).losses())
+    diffs = relative_diffs({s: r["loss"] for s, r in by_group[0].items()}, batches.get(HSDP).losses())
     assert max(diffs) <= 1e-5, diffs
     s0, s1 = summary(dump, 0), summary(dump, 1)
     assert s0["weights_sha256"] == s1["weights_sha256"] is not None
     assert s0["fault_tolerance"]["faults_survived"] == 0 and s0["fault_tolerance"]["recoveries"] == []
-    assert s0["tokens_seen"] == batches.get(SINGLE).records()[5]["tokens_seen"]
+    assert s0["tokens_seen"] == batches.get(HSDP).records()[5]["tokens_seen"]
 
 
-@pytest.mark.parametrize("nproc", [1, 2], ids=["2x1", "2x2_fsdp"])
-def test_a_killed_group_rejoins_from_a_live_group(tmp_path, nproc):
+def test_a_killed_group_rejoins_from_a_live_group(tmp_path, nproc=2):
+    """2 groups of 2 processes (FSDP inside each: the live group sends its shards and optimizer state shard by
+    shard); groups of 1 process (plain tensors) take the same path with nproc=1."""
     lh, address = lighthouse(tmp_path, min_replicas=1)
     dump = tmp_path / "job"
     args = ("--training.steps", "30", "--fault_tolerance.process_group_timeout_ms", "5000")
@@ -139,21 +144,18 @@ def test_a_killed_group_rejoins_from_a_live_group(tmp_path, nproc):
     assert records(dump, 1)[0]["step"] == recovery["step"]
 
 
-@pytest.mark.parametrize("method, extra", [("local_sgd", ()), ("diloco", ("--fault_tolerance.num_fragments", "2"))])
-def test_semi_synchronous_groups_synchronise_every_sync_steps(tmp_path, method, extra):
+def test_diloco_groups_synchronise_every_sync_steps(tmp_path):
+    """torchft's DiLoCo (the method of torchtitan's llama3_ft preset); LocalSGD is the same hook with a plain
+    average. One fragment, so that every parameter is synchronised at step 8, the last."""
     lh, address = lighthouse(tmp_path, min_replicas=2)
     dump = tmp_path / "job"
     try:
-        procs = [start_group(dump, r, address, "--training.steps", "8", "--fault_tolerance.semi_sync_method", method,
-                             "--fault_tolerance.sync_steps", "4", *extra) for r in (0, 1)]
+        procs = [start_group(dump, r, address, "--training.steps", "8", "--fault_tolerance.semi_sync_method",
+                             "diloco", "--fault_tolerance.sync_steps", "4") for r in (0, 1)]
         finish(procs, dump)
     finally:
         kill_tree(lh)
     by_group = [{r["step"]: r for r in records(dump, g)} for g in (0, 1)]
     assert all(by_group[g][8]["replica_groups"] == 2 for g in (0, 1))
-    assert by_group[0][8]["loss"] != by_group[1][8]["loss"]  # each group trains on its own part of the data
-    s0, s1 = summary(dump, 0), summary(dump, 1)
-    if method == "local_sgd":  # parameters averaged at step 8, the last: the same on both groups
-        assert s0["weights_sha256"] == s1["weights_sha256"]
-    else:  # Streaming DiLoCo: at step 8 one fragment was synchronised, the other two steps before
-        assert s0["weights_sha256"] != s1["weights_sha256"]
+    assert by_group[0][8]["loss"] != by_group[1][8]["loss"]  # each group steps on its own part of the data
+    assert summary(dump, 0)["weights_sha256"] == summary(dump, 1)["weights_sha256"]
