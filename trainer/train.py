@@ -178,7 +178,8 @@ class Trainer:
             self.callbacks.on_checkpoint_loaded(self.run_view, self.state.resumed_from_step)
         # The other replica groups of a fault-tolerant job (torchft); a no-op for a job without them.
         self.replicas = build_replicas(self.config, self.device, model_parts=self.model_parts,
-                                       optimizer=self.optimizer, state=self.state, callbacks=self.callbacks)
+                                       optimizer=self.optimizer, state=self.state, callbacks=self.callbacks,
+                                       data_loader=self.train_loader, dp=self.dims.dp)
 
     def build_metrics(self) -> None:
         config = self.config
@@ -237,7 +238,7 @@ class Trainer:
         seed_step(self.seed + step, self.device)
         reason = self.callbacks.skip_before_forward(self.run_view, step)
         if reason is not None:  # known in advance (e.g. stability.skip_steps): data drawn, nothing computed
-            skip: bool | torch.Tensor = True
+            skip: bool | torch.Tensor = self.replicas.commit(True)  # every replica group skips it alike
             loss = grad_norm = torch.full((), float("nan"), device=self.device)
         else:
             if self.pp_schedule is None:

@@ -106,14 +106,16 @@ def test_two_groups_without_a_fault_train_as_plain_hsdp(tmp_path, batches):
 
 def test_a_killed_group_rejoins_from_a_live_group(tmp_path, nproc=2):
     """2 groups of 2 processes (FSDP inside each: the live group sends its shards and optimizer state shard by
-    shard); groups of 1 process (plain tensors) take the same path with nproc=1."""
+    shard); groups of 1 process (plain tensors) take the same path with nproc=1. Each group saves its own
+    checkpoints: group 1 started again resumes from its step-5, then takes group 0's newer state."""
     lh, address = lighthouse(tmp_path, min_replicas=1)
     dump = tmp_path / "job"
-    args = ("--training.steps", "30", "--fault_tolerance.process_group_timeout_ms", "5000")
+    args = ("--training.steps", "30", "--fault_tolerance.process_group_timeout_ms", "5000", "--checkpoint.enable",
+            "--checkpoint.interval", "5")
     env_log = dump.parent / "group1.log"
     try:
         procs = [start_group(dump, r, address, *args, nproc=nproc) for r in (0, 1)]
-        wait_for(lambda: any(r["replica_groups"] == 2 for r in records(dump, 0) if r["step"] >= 2),
+        wait_for(lambda: any(r["replica_groups"] == 2 for r in records(dump, 0) if r["step"] >= 6),
                  "both groups stepping together", proc=procs[0], log=dump.parent / "group0.log")
         kill_tree(procs[1])  # kill -9 of the whole group: launcher and worker
         at_kill = last_step(dump, 0)
@@ -138,10 +140,11 @@ def test_a_killed_group_rejoins_from_a_live_group(tmp_path, nproc=2):
     assert s0["status"] == s1["status"] == "completed"
     assert s0["weights_sha256"] == s1["weights_sha256"] is not None
     assert s0["fault_tolerance"]["faults_survived"] >= 1
-    (recovery,) = s1["fault_tolerance"]["recoveries"]  # from the live group, at its step, not from step 0
-    assert recovery["from_step"] == 0 and recovery["step"] > stopped_at
-    assert s1["fault_tolerance"]["steps_missed"] == recovery["step"] - 1
-    assert records(dump, 1)[0]["step"] == recovery["step"]
+    assert (dump / "replica_1" / "checkpoint" / "step-5").is_dir()
+    (recovery,) = s1["fault_tolerance"]["recoveries"]  # from the live group, at its step, not from step-5
+    assert recovery["from_step"] == 5 and recovery["step"] > stopped_at
+    assert s1["fault_tolerance"]["steps_missed"] == recovery["step"] - 1 - 5
+    assert s1["start_step"] == 5 and recovery["step"] in {r["step"] for r in records(dump, 1)}
 
 
 def test_diloco_groups_synchronise_every_sync_steps(tmp_path):

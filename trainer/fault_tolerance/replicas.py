@@ -15,6 +15,7 @@ committed step (the same averaged gradients, the same optimizer step).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -24,6 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from trainer.data.loader import merge_states
 from trainer.errors import ConfigError
 from trainer.fault_tolerance.config import INSTALL_HINT, FaultTolerance
 
@@ -68,7 +70,7 @@ class TorchFTReplicas:
     """One replica group of a fault-tolerant job (see the module's docstring)."""
 
     def __init__(self, cfg: FaultTolerance, device: torch.device, *, model_parts: list, optimizer, state,
-                 callbacks, group_rank: int, group_world_size: int):
+                 callbacks, data_loader, dp: int, group_rank: int, group_world_size: int):
         # torchft's own components log every quorum and commit at INFO; RUST_LOG=info shows them again.
         os.environ.setdefault("RUST_LOG", "warn")
         try:
@@ -83,6 +85,9 @@ class TorchFTReplicas:
                               f"{device.type}: use \"gloo\"")
         self.cfg, self.device = cfg, device
         self.model_parts, self.optimizer, self.state, self.callbacks = model_parts, optimizer, state, callbacks
+        # This group's checkpoints hold its own part of the data stream: the states of its ranks only.
+        first = cfg.replica_id * dp
+        data_loader.merge_states = functools.partial(merge_states, ranks=list(range(first, first + dp)))
         self.params = [(name, p) for part in model_parts for name, p in part.named_parameters()]
         timeout = timedelta(milliseconds=cfg.process_group_timeout_ms)
         pg = (torchft.ProcessGroupGloo(timeout=timeout) if cfg.process_group == "gloo"
@@ -320,7 +325,8 @@ def weights_checksum(model_parts: list) -> str:
 
 
 def build_replicas(config, device: torch.device, **components) -> SingleGroup | TorchFTReplicas:
-    """The job's replica groups: ``components`` are model_parts, optimizer, state, callbacks."""
+    """The job's replica groups: ``components`` are model_parts, optimizer, state, callbacks, data_loader and
+    dp (the data-parallel ranks of one group)."""
     if not config.fault_tolerance.enable:
         return SingleGroup()
     return TorchFTReplicas(config.fault_tolerance, device, group_rank=int(os.environ.get("RANK", 0)),
