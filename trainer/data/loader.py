@@ -423,8 +423,8 @@ def merge_states(states: list[dict], ranks: list[int] | None = None) -> dict:
     expected = list(range(world)) if ranks is None else sorted(ranks)
     got = sorted(s["dp_rank"] for s in states)
     if got != expected or any(s["dp_world_size"] != world for s in states):
-        raise DataStateError(f"merge_states needs exactly one state of each of the ranks {expected[0]}..{expected[-1]} "
-                             f"of {world}, got ranks {got}")
+        which = f"the {world} ranks" if ranks is None else f"the ranks {expected[0]}..{expected[-1]} of {world}"
+        raise DataStateError(f"merge_states needs exactly one state of each of {which}, got ranks {got}")
     positions = {s["sequences"] for s in states}
     if len(positions) != 1:
         raise DataStateError(f"the ranks' data states are at different positions ({sorted(positions)} sequences)")
