@@ -42,6 +42,15 @@ def test_unsupported_combinations_are_refused_in_one_line(args, message):
     assert "\n" not in str(e.value)
 
 
+def test_the_lighthouse_address_is_checked_before_launch(monkeypatch):
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    with pytest.raises(ConfigError, match="needs the lighthouse's address in TORCHFT_LIGHTHOUSE: start one with "
+                                          "`trainer lighthouse`"):
+        validate(config(*ENABLED), 2)
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://head:29510")
+    validate(config(*ENABLED), 2)
+
+
 def test_disabled_section_checks_nothing_and_imports_no_torchft():
     validate(config("--fault_tolerance.group_size", "0", "--fault_tolerance.process_group", "nccl"), 1)
     code = ("import sys; from trainer.train import Trainer; from trainer.config import load_config, validate; "

@@ -24,6 +24,7 @@ PROCESS_GROUPS = ("gloo", "nccl")
 # by this section itself.
 TORCHTITAN_FT_CONFIG_MODULE = "torchtitan.components.ft.config"
 INSTALL_HINT = "pip install torchft (or the project's dev extra)"
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 
 logger = logging.getLogger("trainer")
 
@@ -130,6 +131,9 @@ def check_config(config) -> None:
                           "use FSDP (and TP) inside each replica group")
     if not torchft_installed():
         raise ConfigError(f"fault_tolerance.enable needs torchft, which is not installed: {INSTALL_HINT}")
+    if not config.job.dry_run and not os.environ.get(LIGHTHOUSE_ENV):
+        raise ConfigError(f"fault_tolerance.enable needs the lighthouse's address in {LIGHTHOUSE_ENV}: start one with "
+                          "`trainer lighthouse` and export the address it prints (docs/multinode.md)")
 
 
 def data_parallel(ft: FaultTolerance, dp: int, dp_rank: int) -> tuple[int, int]:
@@ -138,7 +142,7 @@ def data_parallel(ft: FaultTolerance, dp: int, dp_rank: int) -> tuple[int, int]:
     if not ft.enable:
         return dp, dp_rank
     logger.info("fault tolerance: replica group %d of %d (lighthouse %s); this group reads data-parallel parts "
-                "%d..%d of %d", ft.replica_id, ft.group_size, os.environ.get("TORCHFT_LIGHTHOUSE", "unset"),
+                "%d..%d of %d", ft.replica_id, ft.group_size, os.environ.get(LIGHTHOUSE_ENV, "unset"),
                 ft.replica_id * dp, ft.replica_id * dp + dp - 1, ft.group_size * dp)
     return ft.group_size * dp, ft.replica_id * dp + dp_rank
 
@@ -153,6 +157,6 @@ def use_replica_folder(config) -> None:
 
 def job_identity(config, env=os.environ) -> str | None:
     """The name the replica groups of one fault-tolerant job share for the run lock: their lighthouse."""
-    if config.fault_tolerance.enable and env.get("TORCHFT_LIGHTHOUSE"):
-        return f"torchft@{env['TORCHFT_LIGHTHOUSE']}"
+    if config.fault_tolerance.enable and env.get(LIGHTHOUSE_ENV):
+        return f"torchft@{env[LIGHTHOUSE_ENV]}"
     return None

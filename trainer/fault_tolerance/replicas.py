@@ -31,8 +31,6 @@ from trainer.fault_tolerance.config import INSTALL_HINT, FaultTolerance
 
 logger = logging.getLogger("trainer")
 
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
-
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (FSDP/TP), or the tensor itself."""
@@ -77,9 +75,6 @@ class TorchFTReplicas:
             import torchft
         except ImportError as e:
             raise ConfigError(f"fault_tolerance.enable needs torchft ({e}): {INSTALL_HINT}") from None
-        if not os.environ.get(LIGHTHOUSE_ENV):
-            raise ConfigError(f"fault_tolerance.enable needs the lighthouse's address in {LIGHTHOUSE_ENV}: start "
-                              "one with `trainer lighthouse` and export the address it prints (docs/multinode.md)")
         if cfg.process_group == "nccl" and device.type != "cuda":
             raise ConfigError("fault_tolerance.process_group = \"nccl\" needs CUDA devices; this run is on "
                               f"{device.type}: use \"gloo\"")
