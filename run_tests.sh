@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/setup_env.sh
-ensure_env "[dev]" "pytest xdist transformers megatron" || exit 1
+ensure_env "[dev]" "pytest xdist transformers megatron torchft" || exit 1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # Two pytest workers (TEST_WORKERS), each taking whole files: one core each while tests run in-process, and
 # the multi-process runs share the machine. -n N or -p no:xdist on the command line decides instead.

@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("trainer.tools.plan.cli", "parameters, FLOPs and memory per GPU for a config and GPU count"),
     "bench": ("trainer.tools.bench", "benchmarks: framework overhead, data loader, checkpoint, GPU"),
     "simulate": ("trainer.tools.simulate.cli", "build and step a layout on N simulated ranks: memory, FLOPs, collectives"),
+    "lighthouse": ("trainer.fault_tolerance.lighthouse", "the torchft lighthouse of a fault-tolerant job (prints its "
+                   "TORCHFT_LIGHTHOUSE)"),
 }
 
 

@@ -56,13 +56,18 @@ def record_failure(label: str, message: str) -> None:
         pass  # the console line was printed already; the report just lacks it
 
 
-def _job(trainer_argv: list[str]) -> tuple[str, int]:
-    """(job.dump_folder, job.lock_stale_after_s) of the trainer's command line."""
+def _job(trainer_argv: list[str]) -> tuple[str, int, str | None, str]:
+    """(job.dump_folder, job.lock_stale_after_s, the job's name for the run lock when it is one replica group
+    of a fault-tolerant job, the folder this launch's outputs go to) of the trainer's command line."""
+    from trainer.fault_tolerance.config import job_identity as replica_group_job, use_replica_folder
+
     try:
-        job = load_config(trainer_argv).job  # parsing only: the pre-flight validated
-        return job.dump_folder, job.lock_stale_after_s
+        config = load_config(trainer_argv)  # parsing only: the pre-flight validated
+        dump_folder, identity = config.job.dump_folder, replica_group_job(config)
+        use_replica_folder(config)  # a replica group's outputs: <dump_folder>/replica_<id>
+        return dump_folder, config.job.lock_stale_after_s, identity, config.job.dump_folder
     except Exception:  # the pre-flight has validated the config; this is only where the log goes
-        return "./outputs", 300
+        return "./outputs", 300, None, "./outputs"
 
 
 def job_identity(args) -> str | None:
@@ -161,13 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import parse_args, run
 
     args = parse_args(argv)
-    dump_folder, stale_after_s = _job(list(args.training_script_args))
+    dump_folder, stale_after_s, replica_group_job, outputs = _job(list(args.training_script_args))
     from trainer.errors import PeerLost, TrainerError
 
     lock = None
     try:
-        log_path = _log_file(dump_folder)
-        lock = _take_lock(dump_folder, stale_after_s, job_identity(args))
+        log_path = _log_file(outputs)
+        lock = _take_lock(dump_folder, stale_after_s, replica_group_job or job_identity(args))
     except TrainerError as e:
         print(f"{e.label}: {e}", file=sys.stderr)
         return e.exit_code
@@ -189,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         print(_lost_rendezvous_line(e, args, log_path), file=sys.stderr)
         return PeerLost.exit_code
     except SignalException as e:  # SIGTERM/SIGINT to the launcher: the workers were stopped
-        saved = _summary_error(dump_folder)
+        saved = _summary_error(outputs)
         print(f"stopped by signal {e.sigval.name}" + (f": {saved}" if saved else "") +
               f"; torchrun's log: {log_path}", file=sys.stderr)
         return 128 + int(e.sigval)

@@ -475,11 +475,13 @@ def _check_fingerprint(saved: dict, current: dict) -> None:
     raise DataStateError(f"the data changed since the data state was saved ({detail})")
 
 
-def merge_states(states: list[dict]) -> dict:
+def merge_states(states: list[dict], ranks: list[int] | None = None) -> dict:
     """Merge the state_dict() of every data-parallel rank (any order) into one global state.
 
     Pure Python on JSON-able dicts: the checkpoint manager all-gathers the per-rank states at save time and stores the
     result, which TrainLoader.load_state_dict / load_global_state load with any data-parallel degree.
+    ``ranks``: the ranks whose states these are, when a process group holds only some of them (a replica group
+    of a fault-tolerant job: its part of the stream); the result then has only their shards.
     """
     states = list(states)
     if not states:
@@ -490,9 +492,11 @@ def merge_states(states: list[dict]) -> dict:
         if not isinstance(s, dict) or s.get("format") != STATE_FORMAT or s.get("kind") != "rank":
             raise DataStateError("merge_states takes the state_dict() of every rank")
     world = states[0]["dp_world_size"]
-    ranks = sorted(s["dp_rank"] for s in states)
-    if ranks != list(range(world)) or any(s["dp_world_size"] != world for s in states):
-        raise DataStateError(f"merge_states needs exactly one state of each of the {world} ranks, got ranks {ranks}")
+    expected = list(range(world)) if ranks is None else sorted(ranks)
+    got = sorted(s["dp_rank"] for s in states)
+    if got != expected or any(s["dp_world_size"] != world for s in states):
+        which = f"the {world} ranks" if ranks is None else f"the ranks {expected[0]}..{expected[-1]} of {world}"
+        raise DataStateError(f"merge_states needs exactly one state of each of {which}, got ranks {got}")
     positions = {s["sequences"] for s in states}
     if len(positions) != 1:
         raise DataStateError(f"the ranks' data states are at different positions ({sorted(positions)} sequences)")
