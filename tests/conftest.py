@@ -43,7 +43,25 @@ def pytest_unconfigure(config):
     _previous.clear()
 
 
+# Under pytest-xdist each worker takes whole files as it becomes free: the longest files go first (so no
+# worker is left alone with one at the end), and the files that read batched runs go last (by then the runs,
+# started with the session, have ended).
+_LONGEST_FIRST = ["tests/e2e/test_multinode.py", "tests/e2e/test_never_lose_work.py", "tests/e2e/test_train.py",
+                  "tests/e2e/test_torchtitan_compat.py", "tests/e2e/test_hf_eval.py"]
+_TIERS = ["tests/e2e/", "tests/unit/", "tests/distributed/"]
+
+
+def _file_order(item) -> tuple[int, int]:
+    path = item.nodeid.split("::")[0]
+    tier = next((i for i, t in enumerate(_TIERS) if path.startswith(t)), len(_TIERS))
+    first = _LONGEST_FIRST.index(path) if path in _LONGEST_FIRST else len(_LONGEST_FIRST)
+    return tier, first
+
+
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER") is not None:
+        items.sort(key=_file_order)  # stable: tests keep their order within a file
+
     import torch
 
     if torch.cuda.is_available():
@@ -54,13 +72,38 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _wanted_runs(session) -> set[str]:
+    return {name for item in session.items for mark in item.iter_markers("runs") for name in mark.args}
+
+
 @pytest.fixture(scope="session")
 def batches(request, tmp_path_factory):
     """Every batched run (tests/support/batches.py) the selected tests name in ``@pytest.mark.runs(...)``,
-    one torchrun start per world size, started when the first test asks for one."""
+    one torchrun start per world size."""
     from tests.support.batches import Batches
 
-    names = {name for item in request.session.items for mark in item.iter_markers("runs") for name in mark.args}
-    started = Batches(tmp_path_factory.mktemp("batches"), names)
+    names = _wanted_runs(request.session)
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        started = Batches(tmp_path_factory.mktemp("batches"), names)
+        yield started
+        started.close()
+        return
+    # pytest-xdist: one folder for all workers (their base folders share a parent); the worker that creates
+    # it starts the runs, the others attach. The owner's session may end first: it waits for the runs to end.
+    root = tmp_path_factory.getbasetemp().parent / "batches"
+    try:
+        root.mkdir()
+        owner = True
+    except FileExistsError:
+        owner = False
+    started = Batches(root, names, owner=owner)
     yield started
-    started.close()
+    started.close(wait=1800)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _start_batches_first(request):
+    """The batched runs start with the session, not when the first test that reads one comes up: they run
+    on the core the in-process tests leave idle while those tests run."""
+    if _wanted_runs(request.session):
+        request.getfixturevalue("batches")

@@ -10,6 +10,7 @@ text itself are encoded as ordinary text, never as BOS/EOS. `decode` drops speci
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from pathlib import Path
@@ -29,6 +30,7 @@ __all__ = [
     "Tokenizer",
     "build_tokenizer",
     "load_ranks",
+    "vocabulary_digest",
 ]
 
 DEBUG_TOKENIZER_PATH = Path(__file__).resolve().parent / "assets" / "debug_bpe" / "tokenizer.json"
@@ -96,3 +98,14 @@ def build_tokenizer(path: str | os.PathLike) -> Tokenizer:
         return impl(path)
     except ValueError as e:  # a file of the right kind by name/content that fails to load
         raise ValueError(f"{e}; expected {ACCEPTED_FORMATS}") from e
+
+
+def vocabulary_digest(tok: Tokenizer) -> str:
+    """A short hash of the token of every id (``tok.vocabulary()``: HF tokens, SentencePiece pieces, tiktoken
+    bytes and special tokens), so two tokenizers whose vocabularies differ in a single id differ here. A
+    tokenizer object without ``vocabulary()`` is hashed through ``decode`` of each id."""
+    tokens = tok.vocabulary() if hasattr(tok, "vocabulary") else [tok.decode([i]) for i in range(tok.vocab_size)]
+    h = hashlib.sha256()
+    for i, token in enumerate(tokens):
+        h.update(f"{i}\x00".encode() + (token if isinstance(token, bytes) else str(token).encode()) + b"\x01")
+    return h.hexdigest()[:16]

@@ -44,6 +44,13 @@ class HFTokenizer:
         self.eos_id = self._find_id(names.get("eos_token"), EOS_CANDIDATES)
         self.pad_id = self._find_id(names.get("pad_token"), PAD_CANDIDATES)
 
+    def vocabulary(self) -> list[str | None]:
+        """The token of every id (None where no token has that id), added tokens included."""
+        tokens: list[str | None] = [None] * self.vocab_size
+        for token, i in self._tok.get_vocab(with_added_tokens=True).items():
+            tokens[i] = token
+        return tokens
+
     def _config(self) -> dict:
         return read_json_object(self.path.parent / "tokenizer_config.json")
 

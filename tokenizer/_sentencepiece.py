@@ -30,6 +30,10 @@ class SentencePieceTokenizer:
         self.eos_id = self._sp.eos_id() if self._sp.eos_id() >= 0 else None
         self.pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else None
 
+    def vocabulary(self) -> list[str]:
+        """The piece of every id."""
+        return [self._sp.id_to_piece(i) for i in range(self.vocab_size)]
+
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
         """Token ids of `text` (no automatic specials), plus one BOS/EOS if asked."""
         ids = self._sp.encode(text, out_type=int, add_bos=False, add_eos=False)

@@ -98,6 +98,11 @@ class TiktokenTokenizer:
         self.eos_id = self.special_tokens["<|end_of_text|>"]
         self.pad_id = self.special_tokens["<|finetune_right_pad_id|>"]
 
+    def vocabulary(self) -> list[bytes | str]:
+        """The bytes of every ranked token, then the special tokens by id."""
+        specials = sorted(self.special_tokens.items(), key=lambda kv: kv[1])
+        return [self._enc.decode_single_token_bytes(i) for i in range(self.n_base)] + [t for t, _ in specials]
+
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
         """Token ids of `text` (special-token strings in it are plain text), plus one BOS/EOS if asked."""
         ids = [

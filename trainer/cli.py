@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("trainer.tools.plan.cli", "parameters, FLOPs and memory per GPU for a config and GPU count"),
     "bench": ("trainer.tools.bench", "benchmarks: framework overhead, data loader, checkpoint, GPU"),
     "simulate": ("trainer.tools.simulate.cli", "build and step a layout on N simulated ranks: memory, FLOPs, collectives"),
+    "lighthouse": ("trainer.fault_tolerance.lighthouse", "the torchft lighthouse of a fault-tolerant job (prints its "
+                   "TORCHFT_LIGHTHOUSE)"),
 }
 
 
@@ -39,6 +41,9 @@ def usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from trainer.interrupt import quiet_keyboard_interrupt
+
+    quiet_keyboard_interrupt("interrupted (Ctrl-C)")  # a command's start-up (torch's import) included
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())

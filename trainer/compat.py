@@ -19,6 +19,7 @@ import os
 from typing import Any
 
 from trainer.errors import ConfigError
+from trainer.fault_tolerance.config import TORCHTITAN_FT_CONFIG_MODULE
 from trainer.models.llama.flavors import TORCHTITAN_FLAVORS
 
 logger = logging.getLogger("trainer")
@@ -26,13 +27,13 @@ logger = logging.getLogger("trainer")
 _NO_MOE = "the Llama models here have no mixture-of-experts layers"
 _NO_CP = ("context parallelism is not implemented (torch's context-parallel attention has no CPU kernel; "
           "see docs/coming_from_torchtitan.md)")
-_NO_FT = "TorchFT fault tolerance is not supported (restarts: MAX_RESTARTS with resume, docs/multinode.md)"
 _NO_MX = "MX (microscaling) quantisation is not implemented; model.converters takes quantize.linear.float8"
 
 # Key -> why it cannot take another value than torchtitan's default. The defaults are the JobConfig's.
 REFUSED: dict[str, str] = {
-    "job.custom_config_module": "extending JobConfig from a module is not supported; extensions add sections "
-                                "through trainer/extensions.py",
+    "job.custom_config_module": "extending JobConfig from a module is not supported (except "
+                                f"{TORCHTITAN_FT_CONFIG_MODULE}, whose keys [fault_tolerance] has); extensions "
+                                "add sections through trainer/extensions.py",
     "experimental.custom_import": "modules are not imported from the config; extensions attach through "
                                   "trainer/extensions.py",
     "experimental.custom_args_module": "extending JobConfig from a module is not supported; extensions add "
@@ -52,7 +53,8 @@ REFUSED: dict[str, str] = {
     "parallelism.expert_parallel_degree": _NO_MOE,
     "parallelism.expert_tensor_parallel_degree": _NO_MOE,
     "parallelism.expert_parallel_comm_backend": _NO_MOE,
-    "checkpoint.enable_ft_dataloader_checkpoints": _NO_FT,
+    "checkpoint.enable_ft_dataloader_checkpoints": "with fault_tolerance.enable every replica group always saves "
+                                                   "its own loader state (docs/multinode.md)",
     "checkpoint.initial_load_in_hf_quantized": "quantized Hugging Face checkpoints are not read",
     "checkpoint.last_save_in_hf": "the last save is a DCP checkpoint; `trainer export` converts it to "
                                   "Hugging Face safetensors",
@@ -74,18 +76,15 @@ REFUSED: dict[str, str] = {
                                 "per GPU",
     "memory_estimation.disable_fake_mode": "torchtitan's FSDP memory estimator is not here; `trainer plan` "
                                            "estimates memory per GPU",
-    "fault_tolerance.enable": _NO_FT,
-    "fault_tolerance.process_group": _NO_FT,
-    "fault_tolerance.process_group_timeout_ms": _NO_FT,
-    "fault_tolerance.replica_id": _NO_FT,
-    "fault_tolerance.group_size": _NO_FT,
-    "fault_tolerance.min_replica_size": _NO_FT,
-    "fault_tolerance.semi_sync_method": _NO_FT,
     "validation.dataloader.num_workers": "the validation pass runs in the training process",
     "validation.dataloader.persistent_workers": "the validation pass runs in the training process",
     "validation.dataloader.pin_memory": "the validation pass runs in the training process",
     "validation.dataloader.prefetch_factor": "the validation pass runs in the training process",
     "debug.moe_force_load_balance": _NO_MOE,
+}
+# Values of a key in REFUSED that are accepted all the same: what torchtitan's module would add is here already.
+ACCEPTED_VALUES: dict[tuple[str, Any], str] = {
+    ("job.custom_config_module", TORCHTITAN_FT_CONFIG_MODULE): "its keys are [fault_tolerance]'s own",
 }
 # Values refused inside a key that is otherwise supported.
 REFUSED_VALUES: dict[tuple[str, Any], str] = {
@@ -120,6 +119,8 @@ def check(config) -> None:
     """Refuse, in one line, any torchtitan key set to a value this trainer cannot honour."""
     for key, why in REFUSED.items():
         value, default = _get(config, key), _default(config, key)
+        if isinstance(value, str) and (key, value) in ACCEPTED_VALUES:
+            continue
         if value != default and not (value in (None, "") and default in (None, "")):  # torchtitan: both mean unset
             raise ConfigError(f"{key} = {json.dumps(value)} is not supported: {why}; leave it at "
                               f"{json.dumps(default)}")

@@ -12,7 +12,8 @@ imports nothing, so every layer can raise these without import cycles.
 | 4    | DataError: data that cannot be trained on; too many skipped documents (data.max_skipped_fraction) |
 | 5    | OutputError: the dump folder cannot be written (disk full, read-only, a file where a folder should be) |
 | 6    | another live run holds the dump folder (its run.lock; trainer/runlock.py) |
-| 128+N | stopped by signal N after saving a checkpoint (143: SIGTERM, 130: SIGINT; trainer/preemption.py) |
+| 7    | PeerLost: another rank or node of the job stopped or hung (a collective timed out or lost its peer, the rendezvous closed); the cause is on that rank's console |
+| 128+N | stopped by signal N after saving a checkpoint (143: SIGTERM, 130: SIGINT; trainer/preemption.py); Ctrl-C before the training loop: one line, 130 (trainer/interrupt.py) |
 """
 
 from __future__ import annotations
@@ -58,6 +59,14 @@ class OutputError(TrainerError, OSError):
 
     exit_code = 5
     label = "output error"
+
+
+class PeerLost(TrainerError, RuntimeError):
+    """This rank or node lost the rest of the job: a collective timed out or lost its peer, or the job's
+    store or rendezvous closed. The cause is another rank's or node's (its console has it), not this one's."""
+
+    exit_code = 7
+    label = "error"
 
 
 class DataStateError(DataError, ValueError):

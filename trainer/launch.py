@@ -24,12 +24,18 @@ Here:
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C while torch is imported (seconds): one line, exit 130
+    from trainer.interrupt import quiet_keyboard_interrupt
+
+    quiet_keyboard_interrupt()
+
 import json
 import logging
 import os
 import socket
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from trainer.config import load_config
@@ -50,13 +56,18 @@ def record_failure(label: str, message: str) -> None:
         pass  # the console line was printed already; the report just lacks it
 
 
-def _job(trainer_argv: list[str]) -> tuple[str, int]:
-    """(job.dump_folder, job.lock_stale_after_s) of the trainer's command line."""
+def _job(trainer_argv: list[str]) -> tuple[str, int, str | None, str]:
+    """(job.dump_folder, job.lock_stale_after_s, the job's name for the run lock when it is one replica group
+    of a fault-tolerant job, the folder this launch's outputs go to) of the trainer's command line."""
+    from trainer.fault_tolerance.config import job_identity as replica_group_job, use_replica_folder
+
     try:
-        job = load_config(trainer_argv).job  # parsing only: the pre-flight validated
-        return job.dump_folder, job.lock_stale_after_s
+        config = load_config(trainer_argv)  # parsing only: the pre-flight validated
+        dump_folder, identity = config.job.dump_folder, replica_group_job(config)
+        use_replica_folder(config)  # a replica group's outputs: <dump_folder>/replica_<id>
+        return dump_folder, config.job.lock_stale_after_s, identity, config.job.dump_folder
     except Exception:  # the pre-flight has validated the config; this is only where the log goes
-        return "./outputs", 300
+        return "./outputs", 300, None, "./outputs"
 
 
 def job_identity(args) -> str | None:
@@ -118,20 +129,50 @@ def _failure_line(error, log_path: str) -> tuple[str, int]:
     return f"error: rank {rank} {how}; the cause is on that rank's console; torchrun's report: {log_path}", code
 
 
+def _import_torch_without_cpp_warnings() -> None:
+    """The agent's own C++ warnings (a lost TCPStore connection prints a 30-frame C++ stack before the
+    Python error is raised) are left out of the console: the failure is reported in one line. Only this
+    process: the workers, started later, get the user's TORCH_CPP_LOG_LEVEL (read once, at torch's import)."""
+    if "TORCH_CPP_LOG_LEVEL" in os.environ or "torch" in sys.modules:
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    try:
+        import torch  # noqa: F401
+    finally:
+        os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
+
+
+def _lost_rendezvous_line(error: BaseException, args, log_path: str) -> str:
+    """One line for torchrun's rendezvous or store failing under this node's launcher: with c10d, when
+    another node's launcher stops (its own start-up failed), this node loses the store it hosted or
+    shared. The innermost error (DistNetworkError, ...) is the one that says what happened."""
+    inner = error
+    while inner.__cause__ is not None or inner.__context__ is not None:
+        inner = inner.__cause__ or inner.__context__
+    first = (str(inner).strip().splitlines() or [""])[0][:200]
+    node = os.environ.get("NODE_RANK", getattr(args, "node_rank", "?"))
+    return (f"error: node {node} lost the job's rendezvous ({getattr(args, 'rdzv_endpoint', '') or 'local'}): "
+            f"another node's launcher or workers stopped first, and that node's console has the cause (or the "
+            f"endpoint is unreachable); {type(inner).__name__}: {first}; torchrun's log: {log_path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    _import_torch_without_cpp_warnings()
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed import DistError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
     args = parse_args(argv)
-    dump_folder, stale_after_s = _job(list(args.training_script_args))
-    from trainer.errors import TrainerError
+    dump_folder, stale_after_s, replica_group_job, outputs = _job(list(args.training_script_args))
+    from trainer.errors import PeerLost, TrainerError
 
     lock = None
     try:
-        log_path = _log_file(dump_folder)
-        lock = _take_lock(dump_folder, stale_after_s, job_identity(args))
+        log_path = _log_file(outputs)
+        lock = _take_lock(dump_folder, stale_after_s, replica_group_job or job_identity(args))
     except TrainerError as e:
         print(f"{e.label}: {e}", file=sys.stderr)
         return e.exit_code
@@ -147,8 +188,13 @@ def main(argv: list[str] | None = None) -> int:
         line, code = _failure_line(e, log_path)
         print(line, file=sys.stderr)
         return code
+    except (DistError, RendezvousError) as e:  # the job's rendezvous or store is gone: another node stopped
+        with open(log_path, "a", encoding="utf-8") as f:
+            traceback.print_exc(file=f)
+        print(_lost_rendezvous_line(e, args, log_path), file=sys.stderr)
+        return PeerLost.exit_code
     except SignalException as e:  # SIGTERM/SIGINT to the launcher: the workers were stopped
-        saved = _summary_error(dump_folder)
+        saved = _summary_error(outputs)
         print(f"stopped by signal {e.sigval.name}" + (f": {saved}" if saved else "") +
               f"; torchrun's log: {log_path}", file=sys.stderr)
         return 128 + int(e.sigval)

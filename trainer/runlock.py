@@ -79,11 +79,12 @@ def _mtime(path: Path) -> float:
         return 0.0
 
 
-def acquire_in_worker(job) -> "RunLock | None":
-    """Rank 0 of a run started without the launcher (plain torchrun) takes the lock itself."""
+def acquire_in_worker(job, identity: str | None = None) -> "RunLock | None":
+    """Rank 0 of a run started without the launcher (plain torchrun) takes the lock itself; ``identity``
+    names the job whose other parts join the lock (the replica groups of a fault-tolerant job)."""
     if os.environ.get(ENV) or job.lock_stale_after_s <= 0 or int(os.environ.get("RANK", "0")) != 0:
         return None
-    return RunLock(Path(job.dump_folder), job.lock_stale_after_s, role="rank 0").acquire()
+    return RunLock(Path(job.dump_folder), job.lock_stale_after_s, role="rank 0", job=identity).acquire()
 
 
 class RunLock:

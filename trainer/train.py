@@ -10,6 +10,11 @@ trainer/setup.py: ``trainer simulate`` calls the same ones.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before torch's import, which takes seconds: Ctrl-C there is one line, exit 130
+    from trainer.interrupt import quiet_keyboard_interrupt
+
+    quiet_keyboard_interrupt()
+
 import errno
 import functools
 import gc
@@ -32,7 +37,9 @@ from trainer.callbacks import CallbackList, RunView, build_callbacks
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.state import TrainState
 from trainer.config import JobConfig, help_text, load_config, to_toml, validate
-from trainer.errors import OutputError, TrainerError
+from trainer.errors import OutputError, PeerLost, TrainerError
+from trainer.fault_tolerance.config import data_parallel, job_identity, use_replica_folder
+from trainer.fault_tolerance.replicas import build_replicas
 from trainer.data.loader import build_train_loader, build_val_loader
 from trainer.data.checks import grad_accum_steps
 from trainer.data.faults import SkipMonitor
@@ -72,6 +79,7 @@ logger = logging.getLogger("trainer")
 class Trainer:
     def __init__(self, config: JobConfig):
         self.config = config
+        use_replica_folder(config)  # [fault_tolerance]: this group's outputs under <dump_folder>/replica_<id>
         self.dump_folder = Path(config.job.dump_folder)
         self.setup_process()  # process group, device, mesh, seeds; the resolved config.toml
         self.build_data()  # tokenizer and loaders
@@ -90,11 +98,13 @@ class Trainer:
         init_process_group(self.device, config.comm.init_timeout_seconds)
         self.mesh = self.dims.build_mesh(self.device.type)
         self.dp_rank = self.dims.dp_mesh.get_local_rank()
+        # The loader's degree and rank: over every replica group of a fault-tolerant job.
+        self.data_dp, self.data_rank = data_parallel(config.fault_tolerance, self.dims.dp, self.dp_rank)
         self.is_logging_rank = self.rank == 0
         configure_determinism(config, self.device)
         set_compile_cache(config.compile.cache_dir)
         self.seed = 0 if config.debug.seed is None else config.debug.seed
-        self.accum_steps = grad_accum_steps(config, self.dims.dp)
+        self.accum_steps = grad_accum_steps(config, self.data_dp)
         if self.device.type == "cuda" and not config.explicitly_set("data.pin_memory"):
             # Pinned batches make forward_backward's non_blocking host-to-device copies asynchronous (from
             # pageable memory they are synchronous copies through a staging buffer).
@@ -106,8 +116,8 @@ class Trainer:
     def build_data(self) -> None:
         config = self.config
         self.tokenizer = load_tokenizer(config)
-        self.train_loader = build_train_loader(config, self.tokenizer, dp_rank=self.dp_rank,
-                                               dp_world_size=self.dims.dp)
+        self.train_loader = build_train_loader(config, self.tokenizer, dp_rank=self.data_rank,
+                                               dp_world_size=self.data_dp)
         self.skip_monitor = SkipMonitor(self.train_loader, config, self.dims.dp_mesh.get_group(), self.dims.dp)
         self.val_loader = (build_val_loader(config, self.tokenizer, dp_rank=self.dp_rank, dp_world_size=self.dims.dp)
                            if config.validation.enable else None)
@@ -171,6 +181,10 @@ class Trainer:
         self.checkpointer.load()
         if self.state.resumed_from_step is not None:
             self.callbacks.on_checkpoint_loaded(self.run_view, self.state.resumed_from_step)
+        # The other replica groups of a fault-tolerant job (torchft); a no-op for a job without them.
+        self.replicas = build_replicas(self.config, self.device, model_parts=self.model_parts,
+                                       optimizer=self.optimizer, state=self.state, callbacks=self.callbacks,
+                                       data_loader=self.train_loader, dp=self.dims.dp)
 
     def build_metrics(self) -> None:
         config = self.config
@@ -206,7 +220,7 @@ class Trainer:
         return ObservedRun(
             config=self.config, state=self.state, device=self.device, rank=self.rank, world_size=self.world_size,
             is_logging_rank=self.is_logging_rank, metrics=self.metrics, flops_per_token=self.flops_per_token,
-            peak_tflops=self.throughput.peak, checkpointer=self.checkpointer)
+            peak_tflops=self.throughput.peak, checkpointer=self.checkpointer, extra_summary=self.replicas.summary)
 
     # ------------------------------------------------------------------------------------------------
     # One step
@@ -229,7 +243,7 @@ class Trainer:
         seed_step(self.seed + step, self.device)
         reason = self.callbacks.skip_before_forward(self.run_view, step)
         if reason is not None:  # known in advance (e.g. stability.skip_steps): data drawn, nothing computed
-            skip: bool | torch.Tensor = True
+            skip: bool | torch.Tensor = self.replicas.commit(True)  # every replica group skips it alike
             loss = grad_norm = torch.full((), float("nan"), device=self.device)
         else:
             if self.pp_schedule is None:
@@ -241,13 +255,15 @@ class Trainer:
                     self.pp_schedule, batches, pipeline_loss=self.pipeline_loss, device=self.device,
                     autocast=self.autocast, parallel_loss=self.parallel_loss, has_first=self.pp_has_first,
                     has_last=self.pp_has_last)
+            loss = self.replicas.average(self.model_parts, loss)  # over the replica groups (fault tolerance)
             with record_function("optimizer"):
                 grad_norm, skip = steps.clip_and_step(
                     self.model_parts, self.optimizer, max_norm=self.config.training.max_norm, pp_group=self.pp_group,
-                    should_skip=lambda norm: self.callbacks.should_skip(self.run_view, step, loss, norm))
+                    should_skip=lambda norm: self.replicas.commit(
+                        self.callbacks.should_skip(self.run_view, step, loss, norm)))
         tokens = sum(b["labels"].numel() for b in batches)
         self.state.step = step
-        self.state.tokens_seen += tokens * self.dims.dp
+        self.state.tokens_seen += tokens * self.dims.dp * self.replicas.groups_taking_part
         self.state.add_skip(skip)
         self.throughput.tokens += tokens * self.dims.dp / self.world_size  # per device
         self.throughput.steps += 1
@@ -291,6 +307,7 @@ class Trainer:
             record["skip_reason"] = out["skip_reason"]
         record.update(self.callbacks.metrics(self.run_view, step))
         record.update(self.checkpointer.metrics())
+        record.update(self.replicas.metrics())
         record.update(self.skip_monitor.record(self.is_logging_rank))  # may stop: data.max_skipped_fraction
         if self.val_loader is not None and step % self.config.validation.freq == 0:
             record["validation_loss"] = self.validate()
@@ -387,7 +404,10 @@ class Trainer:
         # Profiler, memory snapshots, hang watchdog; the run summary (summary.json) at the end or on failure.
         try:
             with Observability(self.observed_run()) as obs:
-                for step in range(start_step + 1, config.training.steps + 1):
+                step = start_step
+                while step < config.training.steps:
+                    # The quorum of a fault-tolerant job: a group that rejoined takes the live groups' step.
+                    step = self.replicas.start_step(step + 1)
                     self.run_step(step, obs)
                     if step == start_step + 1:
                         set_train_timeout(config.comm.train_timeout_seconds)
@@ -397,8 +417,10 @@ class Trainer:
                             preemption.stop(self.checkpointer, step, signum)
                 with obs.checkpoint():
                     self.checkpointer.finish()
+                self.replicas.finish(self.model_parts)  # the final weights' checksum, for summary.json
         finally:
             stopping.restore()
+            self.replicas.close()
         self.metrics.close()
 
 
@@ -441,6 +463,20 @@ def collective_failure_note(exc: BaseException, trainer: "Trainer | None") -> st
     if trainer is not None:
         where += f" after step {trainer.state.step}"
     return f"collective {what} on {where}: {pending_collective()}; error: {text.strip().splitlines()[0][:300]}"
+
+
+def peer_failure(exc: BaseException, trainer: "Trainer | None") -> str | None:
+    """The one line for an error that says another rank or node stopped or hung (a collective that timed out
+    or lost its peer; the job's store gone, as when another node fails during start-up); None for others."""
+    note = collective_failure_note(exc, trainer)
+    if note is not None:
+        return note
+    if isinstance(exc, dist.DistError):  # DistNetworkError, DistStoreError: the job's TCP store
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        return (f"rank {os.environ.get('RANK', 0)} (node {os.environ.get('GROUP_RANK', 0)}, host "
+                f"{socket.gethostname()}) lost the job's store: another node or rank stopped "
+                f"first (its console has the cause) or the rendezvous endpoint is unreachable; error: {first}")
+    return None
 
 
 def pending_collective() -> str:
@@ -504,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
         if config.job.dry_run:
             dry_run(config)
             return 0
-        lock = runlock.acquire_in_worker(config.job)  # unless the launcher holds it
+        lock = runlock.acquire_in_worker(config.job, job_identity(config))  # unless the launcher holds it
         trainer = Trainer(config)
         if trainer.checkpointer.seed_created:
             return 0  # checkpoint.create_seed_checkpoint: step-0 saved, nothing to train
@@ -522,10 +558,12 @@ def main(argv: list[str] | None = None) -> int:
         launch.record_failure(out.label, str(out))
         return out.exit_code
     except Exception as e:
-        note = collective_failure_note(e, trainer)
-        if note is not None:
-            logger.error(note)
-        raise
+        line = peer_failure(e, trainer)
+        if line is None:
+            raise  # a bug: its traceback
+        logger.error(line)  # another rank's or node's failure seen from here: one line, no traceback
+        launch.record_failure(PeerLost.label, line)
+        return PeerLost.exit_code
     finally:
         if lock is not None:
             lock.release()

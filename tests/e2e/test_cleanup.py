@@ -33,27 +33,46 @@ INNER = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=["SIGTERM", "SIGINT", "SIGKILL"])
-def test_stopping_pytest_stops_every_run_it_started(tmp_path, sig):
-    dump, ready = tmp_path / "run", tmp_path / "ready"
-    (tmp_path / "test_inner.py").write_text(INNER.format(dump=str(dump), ready=str(ready)))
-    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGINT": signal.SIGINT, "SIGKILL": signal.SIGKILL}
+
+
+@pytest.fixture(scope="module")
+def sessions(tmp_path_factory):
+    """One inner pytest session per signal, all started at once (each is mostly start-up), each sent its
+    signal once its run has trained a step; yields name -> (the inner pytest process, its process tree then)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    # tests/conftest.py as a plugin: its signal handlers and session-end cleanup, as in the real suite.
-    log = open(tmp_path / "inner.log", "w")
-    inner = popen([sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider",
-                   "--rootdir", str(tmp_path), "-c", str(tmp_path / "pytest.ini"), str(tmp_path / "test_inner.py")],
-                  cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    out, logs, trees = {}, [], {}
     try:
-        wait_for(ready.exists, "the inner run's first step", timeout=300, proc=inner, log=tmp_path / "inner.log")
-        launcher = int(ready.read_text())
-        tree = descendants(inner.pid)
-        assert launcher in tree and len(descendants(launcher)) >= 1, tree  # the launcher and its worker
-        os.kill(inner.pid, sig)
-        inner.wait(timeout=60)
-        wait_for(lambda: not any(alive(p) for p in tree), "every process of the tree to end", timeout=60)
+        for name in SIGNALS:
+            tmp_path = tmp_path_factory.mktemp(f"cleanup_{name}")
+            dump, ready = tmp_path / "run", tmp_path / "ready"
+            (tmp_path / "test_inner.py").write_text(INNER.format(dump=str(dump), ready=str(ready)))
+            (tmp_path / "pytest.ini").write_text("[pytest]\n")
+            # tests/conftest.py as a plugin: its signal handlers and session-end cleanup, as in the real suite.
+            logs.append(open(tmp_path / "inner.log", "w"))
+            out[name] = (popen([sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider",
+                                "--rootdir", str(tmp_path), "-c", str(tmp_path / "pytest.ini"),
+                                str(tmp_path / "test_inner.py")], cwd=ROOT, env=env, stdout=logs[-1],
+                               stderr=subprocess.STDOUT), tmp_path)
+        for name, (inner, tmp_path) in out.items():  # each stopped as soon as its run trains (the others run on)
+            ready = tmp_path / "ready"
+            wait_for(ready.exists, "the inner run's first step", timeout=300, proc=inner, log=tmp_path / "inner.log")
+            launcher, tree = int(ready.read_text()), descendants(inner.pid)
+            assert launcher in tree and len(descendants(launcher)) >= 1, tree  # the launcher and its worker
+            os.kill(inner.pid, SIGNALS[name])
+            trees[name] = tree
+        yield {name: (inner, trees[name]) for name, (inner, _) in out.items()}
     finally:
-        kill_tree(inner)
-        log.close()
+        for inner, _ in out.values():
+            kill_tree(inner)
+        for log in logs:
+            log.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SIGNALS))
+def test_stopping_pytest_stops_every_run_it_started(sessions, name):
+    inner, tree = sessions[name]
+    inner.wait(timeout=60)
+    wait_for(lambda: not any(alive(p) for p in tree), "every process of the tree to end", timeout=60)
     assert not [p for p in tree if alive(p)]

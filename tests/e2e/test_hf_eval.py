@@ -98,7 +98,7 @@ def runs(tmp_path_factory):
     for kind in ("llama", "gpt2"):
         tmp = tmp_path_factory.mktemp(kind)
         tok_dir = make_tokenizer(kind, tmp / "tokenizer")
-        config = load_config(["--model.flavor", "debugmodel", "--model.tokenizer_path", str(tok_dir),
+        config = load_config(["--model.flavor", "debug_gqa", "--model.tokenizer_path", str(tok_dir),
                               "--training.seq_len", "64"], env={})
         tok = load_tokenizer(config)
         model = fast_model(resolve_model_args(config, tok.vocab_size))

@@ -57,7 +57,8 @@ def cases(tmp):
         ("value after --no_", {}, ["--checkpoint.no_enable=true"], 2, "takes no value"),
         ("context parallel", {}, ["--parallelism.context_parallel_degree", "2"], 2,
          "parallelism.context_parallel_degree = 2 is not supported"),
-        ("fault tolerance", {}, ["--fault_tolerance.enable"], 2, "fault_tolerance.enable = true is not supported"),
+        ("fault tolerance", {}, ["--fault_tolerance.enable"], 2, "fault_tolerance.group_size must be the number of "
+                                                                 "replica groups"),
         ("flex flavor", {}, ["--model.flavor", "8B_flex"], 2, "document-masked attention"),
         ("layout", {}, ["--parallelism.tensor_parallel_degree", "2"], 2, "world size 1"),
         ("node rank", {"NNODES": "2", "NODE_RANK": "2"}, [], 2, "NODE_RANK=2 must be in [0, NNODES=2)"),

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.batches import spec
 from tests.support.launch import ROOT, read_metrics, start_train
 from tests.support.processes import free_port, kill_tree, run as run_process
 
@@ -36,6 +37,8 @@ TRAIN = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--trai
          "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "2"]
 HSDP = ["--parallelism.data_parallel_replicate_degree", "2"]  # 2 replicas (one per node) x FSDP 2
 DEADLINE_S = 540  # all runs together, on a loaded 2-core machine
+# The one-node reference: four processes, same layout (a batched run: it needs no launcher of its own).
+REFERENCE = spec("multinode_reference", 4, *TRAIN, *HSDP, fast=False)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -262,9 +265,9 @@ class NetnsPair:
 
 
 NEEDS = {
-    "test_two_nodes_match_one_node": {"reference", "two_nodes"},
-    "test_killed_worker_restarts_and_resumes": {"reference", "restart"},
-    "test_two_nodes_across_network_namespaces": {"reference", "netns"},
+    "test_two_nodes_match_one_node": {"two_nodes"},
+    "test_killed_worker_restarts_and_resumes": {"restart"},
+    "test_two_nodes_across_network_namespaces": {"netns"},
     "test_hung_rank_fails_fast_naming_the_collective": {"hang"},
 }
 
@@ -277,10 +280,6 @@ def runs(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("multinode")
     out: dict[str, Run] = {}
     netns = None
-    if "reference" in wanted:  # four processes on one node, same layout
-        out["reference"] = Run(root / "reference")
-        out["reference"].agents.append((start_train(root / "reference", *TRAIN, *HSDP, nproc=4, fast=False,
-                                                    log=root / "reference.log"), root / "reference.log"))
     if "two_nodes" in wanted:
         out["two_nodes"] = two_nodes(root, "two_nodes", [*TRAIN, *HSDP], node_ranks=False)
     if "restart" in wanted:  # rank 2 (a node-1 process) SIGKILLs itself before step 3, first attempt only
@@ -330,7 +329,7 @@ def finished(run: Run) -> None:
     assert all(rc == 0 for rc in run.returncodes), f"return codes {run.returncodes}:\n{run.tail()}"
 
 
-def assert_same_losses(run: Run, reference: Run, steps=(1, 2, 3, 4)) -> None:
+def assert_same_losses(run: Run, reference, steps=(1, 2, 3, 4)) -> None:
     ref, got = reference.losses(), run.losses()
     assert sorted(ref) == list(steps) and sorted(got) == list(steps), (ref, got)
     for s in steps:
@@ -345,9 +344,9 @@ def assert_node_health(run: Run, world: int = 4) -> None:
 
 
 @pytest.mark.slow
-def test_two_nodes_match_one_node(runs):
-    ref, run = runs["reference"], runs["two_nodes"]
-    finished(ref)
+@pytest.mark.runs(REFERENCE)
+def test_two_nodes_match_one_node(runs, batches):
+    ref, run = batches.get(REFERENCE), runs["two_nodes"]
     finished(run)
     assert "dp_replicate=2, dp_shard=2" in run.log
     assert_same_losses(run, ref)
@@ -357,28 +356,28 @@ def test_two_nodes_match_one_node(runs):
 
 
 @pytest.mark.slow
-def test_two_nodes_across_network_namespaces(runs):
+@pytest.mark.runs(REFERENCE)
+def test_two_nodes_across_network_namespaces(runs, batches):
     run = runs["netns"]
     if "skip" in run.info:
         pytest.skip(run.info["skip"])
-    finished(runs["reference"])
     finished(run)
-    assert_same_losses(run, runs["reference"])
+    assert_same_losses(run, batches.get(REFERENCE))
     assert_node_health(run)
     # The "nodes" share no loopback: everything between them went through the veth pair.
     assert run.info["netns"].bytes_through_veth() > 10_000_000
 
 
 @pytest.mark.slow
-def test_killed_worker_restarts_and_resumes(runs):
-    ref, run = runs["reference"], runs["restart"]
-    finished(ref)
+@pytest.mark.runs(REFERENCE)
+def test_killed_worker_restarts_and_resumes(runs, batches):
+    ref, run = batches.get(REFERENCE), runs["restart"]
     finished(run)
     log = run.log
     assert "rank 2 kills itself (SIGKILL) before step 3" in log, run.tail()
     assert re.search(r"checkpoint \S*step-2 loaded", log), run.tail()
     # Both attempts built the model (the second after torchrun's restart) and the run completed.
-    assert log.count("[rank 0] INFO model llama3 debugmodel") == 2, run.tail()
+    assert log.count("[rank 0] INFO model llama3 debug_gqa") == 2, run.tail()
     steps = [r["step"] for r in read_metrics(run.dump)]
     assert steps[:2] == [1, 2] and steps[-2:] == [3, 4], steps
     assert_same_losses(run, ref)

@@ -35,7 +35,7 @@ def test_stalled_rank_makes_every_rank_dump_stacks_and_exit(tmp_path):
     assert "stall_for_drill" in stacks[1]  # the stalled rank's main thread
     for text in stacks.values():  # each rank fired at the configured time after its last step
         waited = int(re.search(r"no progress for (\d+) s \(limit 6 s; last completed: step 1\)", text).group(1))
-        assert 6 <= waited <= 8, text[:300]
+        assert 6 <= waited < 60, text[:300]  # at the limit, not after the 600 s stall (late only by load)
     assert "train_step" in stacks[0]  # the other rank, waiting for rank 1 in a collective
     # The launcher ends with the worker's code (torchrun's full report goes to the launcher log).
     assert proc.returncode == 124 and "watchdog: rank 0: no progress" in out, out[-2000:]

@@ -11,6 +11,7 @@ Arguments may name other runs' dump folders as ``{root}/<name>``.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,9 +74,14 @@ class Run:
 
 @dataclass
 class Batches:
+    """The runs in ``root``. The owner starts them (one torchrun per world size and lane); with pytest-xdist
+    the other workers attach to the same folder (``owner=False``) and read the runs as they end, so each run
+    happens once per session whichever worker's tests read it."""
+
     root: Path
     names: set[str]
     procs: dict[tuple[int, str], tuple] = field(default_factory=dict)
+    owner: bool = True
 
     def __post_init__(self):
         todo, wanted = list(self.names), set()
@@ -94,9 +100,34 @@ class Batches:
                         key=lambda s: (bool(s.after), s.name not in producers, order.index(s.name))):
             by_size.setdefault((s.nproc, s.lane), []).append(s)
         self.root.mkdir(parents=True, exist_ok=True)
+        self._keys = {(s.nproc, s.lane) for s in (SPECS[n] for n in wanted)}
+        if not self.owner:
+            return
         for (nproc, lane), specs in sorted(by_size.items()):
             self.procs[(nproc, lane)] = start_torchrun(nproc, [self._worker_spec(s) for s in specs], self.root,
-                                                       name=f"torchrun_{nproc}{'_' + lane if lane else ''}")
+                                                       name=self._start_name(nproc, lane))
+        pids = {self._start_name(*key): proc.pid for key, (proc, _) in self.procs.items()}
+        tmp = self.root / "pids.json.tmp"
+        tmp.write_text(json.dumps(pids))
+        tmp.rename(self.root / "pids.json")
+
+    @staticmethod
+    def _start_name(nproc: int, lane: str) -> str:
+        return f"torchrun_{nproc}{'_' + lane if lane else ''}"
+
+    def _ended(self, nproc: int, lane: str) -> bool:
+        """Whether the torchrun start that runs this world size and lane has ended (any worker can ask)."""
+        if self.owner:
+            return self.procs[(nproc, lane)][0].poll() is not None
+        pids = self.root / "pids.json"
+        if not pids.exists():
+            return False  # the owner is starting them
+        pid = json.loads(pids.read_text())[self._start_name(nproc, lane)]
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
 
     def _path(self, text: str) -> str:
         return text.replace("{root}", str(self.root))
@@ -120,15 +151,15 @@ class Batches:
     def get(self, name: str, timeout: float = 1200) -> Run:
         """The run, once it has ended with exit code 0 (else the test fails with its log)."""
         s = SPECS.get(name)
-        if s is None or (s.nproc, s.lane) not in self.procs or name not in self._wanted:
+        if s is None or (s.nproc, s.lane) not in self._keys or name not in self._wanted:
             raise KeyError(f"run {name!r} was not started: mark the test with @pytest.mark.runs({name!r})")
-        proc, worker_log = self.procs[(s.nproc, s.lane)]
+        worker_log = self.root / f"{self._start_name(s.nproc, s.lane)}.log"
         result = self.root / f"{name}.result.json"
         log = self.root / f"{name}.log"
         deadline = time.monotonic() + timeout
         while not result.exists():
-            if proc.poll() is not None and not result.exists():
-                raise AssertionError(f"torchrun ({SPECS[name].nproc} processes) ended ({proc.returncode}) "
+            if self._ended(s.nproc, s.lane) and not result.exists():
+                raise AssertionError(f"torchrun ({SPECS[name].nproc} processes) ended "
                                      f"before run {name!r}:\n{worker_log.read_text(errors='replace')[-6000:]}")
             if time.monotonic() > deadline:
                 raise AssertionError(f"run {name!r} not done after {timeout:.0f} s")
@@ -138,7 +169,12 @@ class Batches:
         assert out["rc"] == 0, f"run {name!r} failed ({out['rc']}):\n{out.get('error', '')}\n{text[-6000:]}"
         return Run(name, self.dump(s), log, out["rc"])
 
-    def close(self) -> None:
+    def close(self, wait: float = 0) -> None:
+        """Kill what is still running; first wait up to ``wait`` seconds for the runs to end (other workers
+        may still read them)."""
+        deadline = time.monotonic() + wait
+        while any(proc.poll() is None for proc, _ in self.procs.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
         for proc, _ in self.procs.values():
             if proc.poll() is None:
                 kill_tree(proc)

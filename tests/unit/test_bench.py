@@ -58,7 +58,7 @@ def test_fewer_layer_flavors_resolve_without_registering(tmp_path):
     assert LLAMA_FLAVORS == before
     bench._check_flavors(list(bench.GPU_FLAVORS))
     with pytest.raises(SystemExit, match="unknown flavor 'llama3_9b'"):
-        bench._check_flavors(["debugmodel", "llama3_9b"])
+        bench._check_flavors(["debug_gqa", "llama3_9b"])
 
 
 def test_table_marks_targets():
@@ -87,7 +87,7 @@ def test_gpu_variants_are_valid_configs(variant, tmp_path):
 
 def test_gpu_case_process_runs_on_cpu():
     """The GPU suite's per-case process, run on CPU with a tiny case (memory figures are null there)."""
-    spec = {"flavor": "debugmodel", "variant": "eager", "seq_len": 16, "local_batch_size": 1,
+    spec = {"flavor": "debug_gqa", "variant": "eager", "seq_len": 16, "local_batch_size": 1,
             "config": str(bench.DEFAULT_CONFIG), "overrides": ["--data.num_workers", "0"], "warmup": 1,
             "rounds": 1, "block": 1}
     case = bench._run_case(spec, timeout=300)
@@ -115,7 +115,7 @@ def test_rope_forms_agree_bitwise():
     """The model's RoPE (complex multiply) and the real-valued chain give the same bits, forward and backward."""
     from trainer.tools.bench.kernels import rope_case
 
-    case = rope_case("debugmodel", compile_=False, repeats=1, rounds=1)
+    case = rope_case("debug_gqa", compile_=False, repeats=1, rounds=1)
     assert case["bitwise_equal"], case
 
 

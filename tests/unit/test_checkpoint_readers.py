@@ -201,7 +201,7 @@ def _error_lines(log: str) -> list[str]:
 @pytest.mark.parametrize("layers,what", [("2", "not in this model: layers.2."), ("8", "missing from the checkpoint: "
                                                                                     "layers.6.")])
 def test_resume_with_another_model_shape_is_refused(run, tmp_path, mp, layers, what):
-    """debugmodel has 6 layers: resuming with 2 (or 8) used to load the overlap and train on (exit 0)."""
+    """debug_gqa has 6 layers: resuming with 2 (or 8) used to load the overlap and train on (exit 0)."""
     dump = copy_run(run, tmp_path / "run")
     before = sorted(p.name for p in (dump / "checkpoint").iterdir())
     metrics = (dump / "metrics.jsonl").read_text()

@@ -245,3 +245,20 @@ def test_a_dropped_loader_stops_its_prefetch_thread(corpus):
         gc.collect()
         time.sleep(0.05)
     assert not mine[0].is_alive()
+
+
+def test_a_replica_groups_part_of_the_stream_merges_and_resumes(corpus):
+    """A fault-tolerant job's replica group holds ranks 2..3 of 4: its checkpoint has their shards only, and
+    those ranks resume from it exactly."""
+    c = cfg(corpus, **{"training.global_batch_size": 16})
+    group = [build_train_loader(c, TOK, dp_rank=r, dp_world_size=4) for r in (2, 3)]
+    for loader in group:
+        next(loader)
+    with pytest.raises(DataStateError, match=r"each of the ranks 2..3 of 4, got ranks \[2\]"):
+        merge_states([group[0].state_dict()], ranks=[2, 3])
+    state = merge_states([loader.state_dict() for loader in group], ranks=[2, 3])
+    assert state["kind"] == "global" and all(int(j) % 4 in (2, 3) for j in state["shards"])
+    for r, loader in zip((2, 3), group):
+        resumed = build_train_loader(c, TOK, dp_rank=r, dp_world_size=4)
+        resumed.load_global_state(state)
+        assert torch.equal(next(resumed)["input"], next(loader)["input"])

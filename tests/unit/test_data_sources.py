@@ -229,7 +229,43 @@ def test_prepared_tokens_give_the_same_sequences(tmp_path, workers):
     for k in ("documents", "tokens", "skipped_malformed", "skipped_undecodable", "skipped_empty", "stripped_separators"):
         assert sa[k] == sb[k], k
 
-    with pytest.raises(ConfigError, match="another tokenizer"):
+    with pytest.raises(ConfigError, match="was prepared with tokenizer"):
         loader_for(f"tokens:{tmp_path}/tok", tokenizer=TOK)
     with pytest.raises(ConfigError, match="already holds"):
         prepare(f"jsonl:{tmp_path}/c.jsonl", tmp_path / "tok", adding, workers=1, progress=False)
+
+
+def test_prepared_tokens_refuse_a_vocabulary_differing_in_two_ids(tmp_path):
+    """Two tokenizer.json files alike but for two ids swapped (same size, same specials, the same probe
+    encoding): data prepared with one is refused with the other, in one line naming both."""
+    from tokenizer import DEBUG_TOKENIZER_PATH, build_tokenizer
+    from trainer.data.loader import tokenizer_fingerprint
+
+    original = build_tokenizer(DEBUG_TOKENIZER_PATH)
+    before = tokenizer_fingerprint(original)
+    swapped_dir = tmp_path / "swapped"
+    swapped_dir.mkdir()
+    for extra in DEBUG_TOKENIZER_PATH.parent.iterdir():
+        if extra.name != "tokenizer.json":
+            (swapped_dir / extra.name).write_bytes(extra.read_bytes())
+    ranked = sorted(json.loads(DEBUG_TOKENIZER_PATH.read_text())["model"]["vocab"].items(), key=lambda kv: -kv[1])
+    for (a, _), (b, _) in zip(ranked, ranked[1:]):  # the last merges first: rare tokens the probe avoids
+        data = json.loads(DEBUG_TOKENIZER_PATH.read_text())
+        vocab = data["model"]["vocab"]
+        vocab[a], vocab[b] = vocab[b], vocab[a]
+        (swapped_dir / "tokenizer.json").write_text(json.dumps(data))
+        swapped = build_tokenizer(swapped_dir)
+        after = tokenizer_fingerprint(swapped)
+        if [k for k in before if before[k] != after[k]] == ["vocabulary", "path"]:
+            break  # only the vocabulary hash tells them apart
+    else:
+        raise AssertionError("no pair of ids leaves the probe alone")
+
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in synthetic_texts(20, seed=3)))
+    prepare(f"jsonl:{tmp_path}/c.jsonl", tmp_path / "tok", original, workers=1, progress=False)
+    loader_for(f"tokens:{tmp_path}/tok", tokenizer=original, **{"data.num_shards": 2})  # the same one: fine
+    with pytest.raises(ConfigError) as e:
+        loader_for(f"tokens:{tmp_path}/tok", tokenizer=swapped, **{"data.num_shards": 2})
+    line = str(e.value)
+    assert "\n" not in line and "vocabulary" in line, line
+    assert str(DEBUG_TOKENIZER_PATH) in line and str(swapped_dir) in line, line

@@ -29,9 +29,9 @@ TASKS_DIR = Path(__file__).resolve().parents[1] / "assets" / "lm_eval_tasks"
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """A debugmodel checkpoint (random weights, seeded) and its fp32 export."""
+    """A debug_gqa checkpoint (random weights, seeded) and its fp32 export."""
     tmp = tmp_path_factory.mktemp("eval")
-    config = load_config(["--model.flavor", "debugmodel", "--training.seq_len", "64"], env={})
+    config = load_config(["--model.flavor", "debug_gqa", "--training.seq_len", "64"], env={})
     tok = load_tokenizer(config)
     model = fast_model(resolve_model_args(config, tok.vocab_size))
     dump = tmp / "run"
@@ -115,3 +115,14 @@ def test_eval_errors_are_reported(run, capsys, tmp_path):
     assert "does not exist" in capsys.readouterr().err
     assert eval_main(["--hf", str(tmp_path), "--tasks", "tiny_mc", "--include_path", str(TASKS_DIR)]) == 2
     assert "config.json" in capsys.readouterr().err
+
+
+def test_registry_task_offline_without_its_data_is_one_line(run, capsys):
+    """hellaswag's dataset is not in the cache and the Hub is off (this module sets HF_DATASETS_OFFLINE): one
+    line naming the task and the ways out, exit code 4, instead of the datasets library's traceback."""
+    rc = eval_main(["--checkpoint", str(run["dump"]), "--tasks", "hellaswag", "--limit", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 4, err
+    line = [l for l in err if l.startswith("trainer eval:")]
+    assert len(line) == 1 and "hellaswag" in line[0] and "--include_path" in line[0], err
+    assert not any("Traceback" in l for l in err), err

@@ -37,8 +37,8 @@ SEQ = 48
 
 
 def debug_run(tmp_path, seed: int = 0):
-    """A debugmodel 'run': config.toml + checkpoint/step-2 (random weights), like a real dump folder."""
-    config = load_config(["--model.flavor", "debugmodel", "--training.seq_len", "64"], env={})
+    """A debug_gqa 'run': config.toml + checkpoint/step-2 (random weights), like a real dump folder."""
+    config = load_config(["--model.flavor", "debug_gqa", "--training.seq_len", "64"], env={})
     tok = load_tokenizer(config)
     model = fast_model(resolve_model_args(config, tok.vocab_size), seed)
     dump = tmp_path / "run"
@@ -172,7 +172,7 @@ def test_find_checkpoint_picks_latest_complete(tmp_path):
     cfg = dump / "config.toml"
     cfg.write_text(cfg.read_text().replace("[model]\n", "[model]\nfuture_key = 1\n") + "\n[future]\nx = 2\n")
     loaded = load_native(dump)
-    assert loaded.checkpoint.name == "step-10" and loaded.config.model.flavor == "debugmodel"
+    assert loaded.checkpoint.name == "step-10" and loaded.config.model.flavor == "debug_gqa"
 
 
 def test_export_errors_say_what_is_missing(tmp_path, capsys):
@@ -184,7 +184,7 @@ def test_export_errors_say_what_is_missing(tmp_path, capsys):
     assert "--flavor" in capsys.readouterr().err
     assert export_main(["--checkpoint", str(dump), "--output", str(tmp_path / "o"), "--flavor", "llama3_1b"]) == 2
     assert "does not match" in capsys.readouterr().err
-    assert export_main(["--checkpoint", str(dump), "--output", str(tmp_path / "o2"), "--flavor", "debugmodel"]) == 0
+    assert export_main(["--checkpoint", str(dump), "--output", str(tmp_path / "o2"), "--flavor", "debug_gqa"]) == 0
 
 
 def test_load_hf_into_rejects_mismatched_model(tmp_path):

@@ -58,7 +58,7 @@ def test_sampling_filters():
 
 
 def test_generate_cli_on_a_checkpoint(tmp_path, capsys):
-    config = load_config(["--model.flavor", "debugmodel", "--training.seq_len", "64"], env={})
+    config = load_config(["--model.flavor", "debug_gqa", "--training.seq_len", "64"], env={})
     tok = load_tokenizer(config)
     m = fast_model(resolve_model_args(config, tok.vocab_size))
     save_native_checkpoint(m.state_dict(), tmp_path / "run", step=1, config=config)

@@ -17,6 +17,7 @@ from trainer.models.llama.args import RopeScaling
 from trainer.models.llama.model import Attention, apply_rotary_emb, precompute_rope_cache
 
 EXPECTED_FLAVORS = {
+    "debug_gqa",
     "debugmodel",
     "llama2_7b",
     "llama2_13b",
@@ -56,7 +57,7 @@ def seeded_model(args: LlamaModelArgs, seed: int = 0) -> Transformer:
 
 
 def test_forward_shape_and_parameter_names():
-    args = get_model_args("llama", "debugmodel")
+    args = get_model_args("llama", "debug_gqa")
     args = dataclasses.replace(args, vocab_size=2048)
     model = seeded_model(args)
     tokens = torch.randint(0, 2048, (2, 32))
@@ -276,7 +277,7 @@ def test_meta_build_materialises_deterministically():
 
 
 def test_init_statistics():
-    args = dataclasses.replace(LLAMA_FLAVORS["debugmodel"], vocab_size=2048)
+    args = dataclasses.replace(LLAMA_FLAVORS["debug_gqa"], vocab_size=2048)
     model = seeded_model(args)
     std = lambda t: t.detach().float().std().item()  # noqa: E731
     assert std(model.tok_embeddings.weight) == pytest.approx(1.0, rel=0.02)
@@ -405,12 +406,56 @@ def test_flavor_rope_scaling():
     assert LLAMA_FLAVORS["llama3_8b"].rope_theta == 500000.0
 
 
+# torchtitan v0.2.2's llama3 flavors (torchtitan/models/llama3/__init__.py and model/args.py), every field
+# that shapes the model, with its TransformerModelArgs defaults written out: vocab_size 128256,
+# multiple_of 256, norm_eps 1e-5, RoPEScalingArgs() = (8, 1, 4, 8192) applied to every flavor, max_seq_len
+# 131072 (replaced by training.seq_len at run time, in both trainers).
+TORCHTITAN_V022_LLAMA3 = {
+    "debugmodel": dict(dim=256, n_layers=6, n_heads=16, n_kv_heads=16, vocab_size=2048, multiple_of=256,
+                       ffn_dim_multiplier=None, rope_theta=500000.0),
+    "8B": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=1024,
+               ffn_dim_multiplier=1.3, rope_theta=500000.0),
+    "70B": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, multiple_of=4096,
+                ffn_dim_multiplier=1.3, rope_theta=500000.0),
+    "405B": dict(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256, multiple_of=4096,
+                 ffn_dim_multiplier=1.2, rope_theta=500000.0),
+}
+
+
+@pytest.mark.parametrize("flavor", sorted(TORCHTITAN_V022_LLAMA3))
+def test_torchtitan_named_flavors_are_torchtitans_models(flavor):
+    """A flavor under a torchtitan name is torchtitan's model key for key, RoPE scaling included."""
+    args = get_model_args("llama3", flavor)
+    theirs = TORCHTITAN_V022_LLAMA3[flavor]
+    ours = {k: getattr(args, k) for k in theirs if k != "n_kv_heads"} | {"n_kv_heads": args.num_kv_heads}
+    assert ours == theirs
+    assert (args.norm_eps, args.max_seq_len, args.tie_word_embeddings, args.ffn_dim) == (1e-5, 131072, False, None)
+    assert args.rope_scaling == RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                            original_max_position_embeddings=8192)
+
+
+def test_debugmodel_rope_table_is_torchtitans_scaled_one():
+    """torchtitan's debugmodel (head_dim 16, theta 5e5) scales its four slowest frequencies: the RoPE table
+    differs from the unscaled debug_gqa's there, and equals the independent Llama 3.1 formula."""
+    tt, ours = LLAMA_FLAVORS["debugmodel"], LLAMA_FLAVORS["debug_gqa"]
+    assert ours.rope_scaling is None and ours.num_kv_heads == 4  # this trainer's debug model is unchanged
+    scaled = precompute_rope_cache(tt.head_dim, 4096, tt.rope_theta, tt.rope_scaling)
+    plain = precompute_rope_cache(ours.head_dim, 4096, ours.rope_theta, ours.rope_scaling)
+    pos = 4095
+    for i in range(8):
+        f = 500000.0 ** (-2 * i / 16)
+        w = (8192 * f / (2 * math.pi) - 1) / 3  # 1 or more: high band; 0 or less: low band
+        expected = f if w >= 1 else f / 8 if w <= 0 else (1 - w) * f / 8 + w * f
+        assert scaled[pos, i, 1].item() == pytest.approx(math.sin(pos * expected), abs=2e-5), i
+    assert torch.equal(scaled[:, :4], plain[:, :4]) and not torch.allclose(scaled[:, 4:], plain[:, 4:])
+
+
 # ----------------------------------------------------------------------------- counts
 
 
-def test_flavor_names_and_debugmodel_tp_float8_friendly():
+def test_flavor_names_and_debug_gqa_tp_float8_friendly():
     assert set(LLAMA_FLAVORS) == EXPECTED_FLAVORS
-    dbg = LLAMA_FLAVORS["debugmodel"]
+    dbg = LLAMA_FLAVORS["debug_gqa"]
     assert dbg.vocab_size == -1  # from the tokenizer
     assert dbg.n_heads % 4 == 0 and dbg.num_kv_heads % 4 == 0 and dbg.n_heads > dbg.num_kv_heads
     for d in (dbg.dim, dbg.n_heads * dbg.head_dim, dbg.num_kv_heads * dbg.head_dim, dbg.ffn_hidden_dim):
@@ -454,7 +499,7 @@ def test_count_params_close_to_published(flavor, published):
     assert count_params(LLAMA_FLAVORS[flavor]) == pytest.approx(published, rel=1e-3)
 
 
-@pytest.mark.parametrize("flavor", sorted(EXPECTED_FLAVORS - {"debugmodel"}))
+@pytest.mark.parametrize("flavor", sorted(EXPECTED_FLAVORS - {"debug_gqa"}))
 def test_model_num_params_on_meta_matches_formula(flavor):
     args = dataclasses.replace(LLAMA_FLAVORS[flavor], max_seq_len=16)
     with torch.device("meta"):
@@ -478,7 +523,7 @@ def test_flops_per_token_by_hand():
     attention = 12 * 32 * 32 * 128 * 8192  # 12 * L * H * Q * T
     assert flops_per_token(LLAMA_FLAVORS["llama3_8b"], 8192) == 6 * n + attention == 57_914_449_920
     # Debug model with a 2048-token vocabulary at seq_len 256, from the shapes directly.
-    dbg = dataclasses.replace(LLAMA_FLAVORS["debugmodel"], vocab_size=2048)
+    dbg = dataclasses.replace(LLAMA_FLAVORS["debug_gqa"], vocab_size=2048)
     per_layer = 256 * 256 * 2 + 256 * 64 * 2 + 3 * 256 * 768 + 2 * 256
     n_dbg = 6 * per_layer + 256 + 2048 * 256
     assert flops_per_token(dbg, 256) == 6 * n_dbg + 12 * 6 * 16 * 16 * 256
@@ -492,14 +537,14 @@ def test_get_model_args_and_errors():
     assert args == LLAMA_FLAVORS["llama3_8b"]
     args.dim = 1  # a copy: the registry is untouched
     assert LLAMA_FLAVORS["llama3_8b"].dim == 4096
-    assert get_model_args("llama", "debugmodel").dim == 256
+    assert get_model_args("llama", "debug_gqa").dim == 256
     with pytest.raises(ValueError, match="llama3_8b"):
         get_model_args("llama", "llama3_9b")
     with pytest.raises(ValueError, match="valid models"):
-        get_model_args("gpt", "debugmodel")
+        get_model_args("gpt", "debug_gqa")
     with pytest.raises(ValueError, match="vocab_size"):
-        build_llama("debugmodel")  # vocab -1 must come from the tokenizer
-    assert build_llama("debugmodel", vocab_size=64, max_seq_len=32).output.weight.shape == (64, 256)
+        build_llama("debug_gqa")  # vocab -1 must come from the tokenizer
+    assert build_llama("debug_gqa", vocab_size=64, max_seq_len=32).output.weight.shape == (64, 256)
     with pytest.raises(ValueError):
         LlamaModelArgs(dim=64, n_heads=4, n_kv_heads=3)
 
@@ -524,9 +569,9 @@ def test_resolve_model_args_vocab_and_seq_len():
     from trainer.errors import ConfigError
     from trainer.models.config import resolve_model_args
 
-    # debugmodel: vocabulary from the tokenizer, rounded up to a multiple of 64; RoPE table at seq_len.
-    args = resolve_model_args(_config("--model.flavor", "debugmodel", "--training.seq_len", "128"), 2000)
-    assert args == dataclasses.replace(LLAMA_FLAVORS["debugmodel"], vocab_size=2048, max_seq_len=128)
+    # debug_gqa: vocabulary from the tokenizer, rounded up to a multiple of 64; RoPE table at seq_len.
+    args = resolve_model_args(_config("--model.flavor", "debug_gqa", "--training.seq_len", "128"), 2000)
+    assert args == dataclasses.replace(LLAMA_FLAVORS["debug_gqa"], vocab_size=2048, max_seq_len=128)
     # A published flavor keeps its vocabulary; model.vocab_size overrides both.
     assert resolve_model_args(_config("--model.flavor", "llama3_8b"), None).vocab_size == 128256
     assert resolve_model_args(_config("--model.flavor", "llama3_8b", "--model.vocab_size", "130000"),
@@ -534,7 +579,7 @@ def test_resolve_model_args_vocab_and_seq_len():
     assert resolve_model_args(_config("--model.flavor", "llama3_8b_2l"), None).n_layers == 2
     for argv, vocab, match in [
         (["--model.flavor", "llama3_9b"], None, "model.flavor: unknown flavor 'llama3_9b'"),
-        (["--model.flavor", "debugmodel"], None, "takes its vocabulary size from the tokenizer"),
+        (["--model.flavor", "debug_gqa"], None, "takes its vocabulary size from the tokenizer"),
         (["--model.flavor", "llama2_7b", "--model.name", "llama2"], 128256, "32000 embedding rows"),
     ]:
         with pytest.raises(ConfigError, match=match):

@@ -124,8 +124,22 @@ def test_profiler_writes_named_trace_at_window_end(tmp_path, first_step):
 # --------------------------------------------------------------------------------------------------
 
 
-def _blocked_in_main_thread(seconds: float) -> None:
-    time.sleep(seconds)
+class Clock:
+    """The watchdog's clock, advanced by hand: what it sees does not depend on how busy the machine is."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def _polls(wd: Watchdog, n: int = 5) -> None:
+    """Real time for the watchdog thread to look at the clock a few times."""
+    time.sleep(n * wd.poll_s)
 
 
 def test_watchdog_dumps_every_thread_and_exits(tmp_path):
@@ -134,12 +148,15 @@ def test_watchdog_dumps_every_thread_and_exits(tmp_path):
     crowd = [threading.Thread(target=release.wait, daemon=True) for _ in range(110)]
     for t in crowd:
         t.start()
-    wd = Watchdog(0.3, tmp_path / "watchdog", rank=3, poll_s=0.05, exit_fn=exits.append, on_fire=fired.append,
-                  exit_grace_s=0.0, backstop_grace_s=0, dump_on_sigterm=False)
+    clock = Clock()
+    wd = Watchdog(0.3, tmp_path / "watchdog", rank=3, poll_s=0.02, exit_fn=exits.append, on_fire=fired.append,
+                  exit_grace_s=0.0, backstop_grace_s=0, dump_on_sigterm=False, clock=clock)
     wd.start()
     wd.heartbeat(7)
-    _blocked_in_main_thread(0.2)
+    clock.advance(0.2)
+    _polls(wd)
     assert not exits
+    clock.advance(0.2)
     assert wait_until(lambda: exits, 5)
     wd.stop()
     assert exits == [WATCHDOG_EXIT_CODE]
@@ -152,14 +169,17 @@ def test_watchdog_dumps_every_thread_and_exits(tmp_path):
 
 def test_watchdog_heartbeats_and_allowances_keep_it_quiet_and_clean(tmp_path):
     exits = []
+    clock = Clock()
     wd = Watchdog(0.25, tmp_path / "watchdog", rank=0, poll_s=0.02, exit_fn=exits.append, exit_grace_s=0.0,
-                  backstop_grace_s=0, dump_on_sigterm=False)
+                  backstop_grace_s=0, dump_on_sigterm=False, clock=clock)
     wd.start()
-    for step in range(10):  # 0.5 s of steps, each well inside the timeout
-        time.sleep(0.05)
+    for step in range(10):  # 2 s of steps, each well inside the timeout
+        clock.advance(0.2)
+        _polls(wd, 1)
         wd.heartbeat(step)
     wd.allow(0.5)  # e.g. a checkpoint save: 0.25 + 0.5 s
-    time.sleep(0.5)
+    clock.advance(0.7)
+    _polls(wd)
     assert not exits
     wd.stop()
     assert not (tmp_path / "watchdog").exists()  # nothing happened: no empty files left behind
@@ -167,12 +187,15 @@ def test_watchdog_heartbeats_and_allowances_keep_it_quiet_and_clean(tmp_path):
 
 def test_watchdog_gives_the_first_step_longer(tmp_path):
     exits = []
+    clock = Clock()
     wd = Watchdog(0.1, tmp_path, rank=0, first_timeout_s=0.8, poll_s=0.02, exit_fn=exits.append, exit_grace_s=0.0,
-                  backstop_grace_s=0, dump_on_sigterm=False)
+                  backstop_grace_s=0, dump_on_sigterm=False, clock=clock)
     wd.start()
-    time.sleep(0.4)  # compiling the first step
+    clock.advance(0.7)  # compiling the first step
+    _polls(wd)
     assert not exits
     wd.heartbeat(1)  # from now on, 0.1 s
+    clock.advance(0.15)
     assert wait_until(lambda: exits, 5)
     wd.stop()
 

@@ -53,3 +53,39 @@ def test_weight_decay_only_on_matrices():
     decay, no_decay = opt.param_groups
     assert {p.ndim for p in decay["params"]} == {2} and decay["weight_decay"] == 0.1
     assert {p.ndim for p in no_decay["params"]} == {1} and no_decay["weight_decay"] == 0.0
+
+
+def _debug_shaped_model():
+    from trainer.models.llama.args import LlamaModelArgs
+    from trainer.models.llama.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(LlamaModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=16))
+    model.init_weights()
+    return model
+
+
+@pytest.mark.parametrize("implementation", ["fused", "for-loop"])
+def test_weight_decay_norms_and_biases_is_torchtitans_optimizer_bitwise(implementation):
+    """optimizer.weight_decay_norms_and_biases: every parameter decays, as in torchtitan's build_optimizers
+    (one AdamW over all parameters with the config's weight_decay): the weights after a few steps equal that
+    optimizer's bit for bit. Without the key the norms keep their scale."""
+    cfg = dict(lr=3e-3, weight_decay=0.1, implementation=implementation)
+    ours, theirs, default = _debug_shaped_model(), _debug_shaped_model(), _debug_shaped_model()
+    opt = build_optimizer(list(ours.named_parameters()), Optimizer(**cfg, weight_decay_norms_and_biases=True))
+    reference = torch.optim.AdamW([p for p in theirs.parameters() if p.requires_grad], lr=3e-3, betas=(0.9, 0.95),
+                                  eps=1e-8, weight_decay=0.1, **({"fused": True} if implementation == "fused"
+                                                                  else {"foreach": False}))
+    plain = build_optimizer(list(default.named_parameters()), Optimizer(**cfg))
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        for model, optimizer in ((ours, opt), (theirs, reference), (default, plain)):
+            logits = model(tokens[:, :-1])
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+        assert torch.equal(a, b), name
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.1]
+    assert [g["weight_decay"] for g in plain.param_groups] == [0.1, 0.0]
+    assert not torch.equal(ours.norm.weight, default.norm.weight)  # the key changes what the norms do

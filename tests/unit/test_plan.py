@@ -20,14 +20,14 @@ from trainer.data.tokenizer import load_tokenizer
 from tests.support.launch import ROOT
 
 CONFIGS = {
-    "debugmodel": ROOT / "train_configs" / "debug_model.toml",
+    "debug_gqa": ROOT / "train_configs" / "debug_model.toml",
     "llama3_8b": ROOT / "train_configs" / "llama3_8b.toml",
 }
 
 
-@pytest.mark.parametrize("flavor", ["debugmodel", "llama3_8b", "llama2_7b"])
+@pytest.mark.parametrize("flavor", ["debug_gqa", "llama3_8b", "llama2_7b"])
 def test_plan_counts_match_model(flavor, capsys):
-    config_file = CONFIGS.get(flavor, CONFIGS["debugmodel"])
+    config_file = CONFIGS.get(flavor, CONFIGS["debug_gqa"])
     overrides = [] if flavor in CONFIGS else ["--model.name", "llama2", "--model.flavor", flavor]
     config = load_config(["--job.config_file", str(config_file), *overrides], env={})
     args, _ = model_args_for_plan(config)

@@ -18,6 +18,6 @@ def test_description_names_the_model_in_words(path):
     description = tomllib.loads(text)["job"]["description"]
     assert len(description.split()) >= 4, description  # a sentence, not an identifier
     flavor = tomllib.loads(text)["model"]["flavor"]
-    if flavor != "debugmodel":
+    if flavor != "debug_gqa":
         size = re.search(r"_(\d+)b", flavor).group(1)
         assert f"{size}B" in description, (flavor, description)  # the size the flavor names

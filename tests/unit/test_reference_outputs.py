@@ -44,7 +44,7 @@ LOGPROB_ATOL = 1e-5
 
 def build_reference_model():
     """The debug flavor at seq_len 64 with seeded random weights (fp32, CPU), and its tokenizer."""
-    config = load_config(["--model.flavor", "debugmodel", "--training.seq_len", str(SEQ_LEN)], env={})
+    config = load_config(["--model.flavor", "debug_gqa", "--training.seq_len", str(SEQ_LEN)], env={})
     tok = load_tokenizer(config)
     return config, tok, fast_model(resolve_model_args(config, tok.vocab_size), seed=0)
 

@@ -22,7 +22,8 @@ from trainer.optim.optimizer import LRSchedule
 ASSETS = ROOT / "tests" / "assets" / "torchtitan"
 # torchtitan v0.2.2's JobConfig: every key with its type and default (facts read from its source).
 TORCHTITAN_KEYS = json.loads((ASSETS / "job_config_v0.2.2.json").read_text())
-TOMLS = {"debug_model": 1, "base_config": 8, "llama3_8b": 64, "llama3_70b": 64, "llama3_405b": 128}
+TOMLS = {"debug_model": 1, "base_config": 8, "llama3_8b": 64, "llama3_70b": 64, "llama3_405b": 128,
+         "llama3_ft_debug_model": 4}  # torchtitan's llama3_ft/train_configs/debug_model.toml: needs torchft
 
 
 
@@ -218,6 +219,9 @@ def test_hf_assets_folder_with_bos_and_eos_declared_in_tokenizer_config(tmp_path
 def test_torchtitan_tomls_pass_a_dry_run_unchanged(name, tmp_path, monkeypatch, capsys):
     from trainer.train import main
 
+    if name.startswith("llama3_ft"):
+        pytest.importorskip("torchft")
+
     make_tokenizer_folder(tmp_path / "tests" / "assets" / "tokenizer")  # where the debug TOMLs look
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WORLD_SIZE", str(TOMLS[name]))
@@ -237,6 +241,8 @@ DEFAULT_DIFFERENCES = {
     "metrics.enable_tensorboard": "the events are small and always worth plotting; set false to match",
     "model.hf_assets_path": "the bundled debug tokenizer stands in for torchtitan's ./tests/assets/tokenizer, "
                             "which exists only inside its repository",
+    "model.flavor": "this trainer's debug model (4 key/value heads, vocabulary from the tokenizer); torchtitan's "
+                    "is flavor debugmodel, key for key",
     "training.dataset": "the bundled Shakespeare sample needs no download",
     "validation.dataset": "the bundled Shakespeare sample's validation split",
     "validation.seq_len": "-1: training.seq_len, so the validation loss compares with the training loss",

@@ -140,6 +140,30 @@ def test_an_empty_data_file_is_named_as_empty_not_as_too_many_shards(tmp_path):
     assert "num_shards" not in str(e.value)
     small = tmp_path / "small.jsonl"
     small.write_text('{"text": "one document"}\n')  # data, but fewer documents than shards
-    config = load_config(["--training.dataset", "jsonl", "--training.dataset_path", str(small)], env={})
+    config = load_config(["--training.dataset", "jsonl", "--training.dataset_path", str(small),
+                          "--data.num_shards", "64"], env={})  # asked for: refused, naming the key
     with pytest.raises(ConfigError, match="lower data.num_shards"):
         build_train_loader(config, tok, dp_rank=0, dp_world_size=1)
+
+
+def test_default_num_shards_is_lowered_to_what_a_small_file_fills(tmp_path, caplog):
+    """data.num_shards left at its default (64) and a file of 5 documents: the loader uses the largest
+    count the data fills that the data-parallel degree divides, and says so in one line."""
+    import logging
+
+    from tokenizer import DEBUG_TOKENIZER_PATH, build_tokenizer
+    from trainer.data.loader import build_train_loader
+
+    tok = build_tokenizer(DEBUG_TOKENIZER_PATH)
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join(f'{{"text": "document number {i} with a few words"}}\n' for i in range(5)))
+    config = load_config(["--training.dataset", "jsonl", "--training.dataset_path", str(small),
+                          "--training.local_batch_size", "1"], env={})
+    assert not config.explicitly_set("data.num_shards") and config.data.num_shards == 64
+    with caplog.at_level(logging.INFO):
+        assert build_train_loader(config, tok, dp_rank=0, dp_world_size=2).plan.num_shards == 4
+        assert build_train_loader(config, tok, dp_rank=0, dp_world_size=1).plan.num_shards == 5
+    lines = [r.getMessage() for r in caplog.records if "data.num_shards" in r.getMessage()]
+    assert len(lines) == 2 and "using 4" in lines[0] and "set data.num_shards" in lines[0], lines
+    with pytest.raises(ConfigError, match="too few documents for 8 data-parallel ranks"):  # no count fits
+        build_train_loader(config, tok, dp_rank=0, dp_world_size=8)

@@ -291,6 +291,13 @@ def _report(results: dict, model: str, model_args: dict, args, seconds: float) -
     logger.info("lm-eval finished in %.1f s", seconds)
 
 
+def _unreachable_hub(error: OSError) -> bool:
+    """A task's dataset could not be fetched: offline mode, no network, the Hub unreachable (datasets and
+    huggingface_hub raise ConnectionError; requests its own ConnectionError, an OSError too)."""
+    return isinstance(error, ConnectionError) or type(error).__module__.split(".")[0] in (
+        "requests", "urllib3", "huggingface_hub")
+
+
 def main(argv: list[str] | None = None) -> int:
     from trainer import logs
     from trainer.errors import CheckpointError
@@ -325,6 +332,15 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, KeyError, TypeError) as e:
         print(f"trainer eval: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        if not _unreachable_hub(e):
+            raise
+        print(f"trainer eval: the data of {', '.join(tasks)} is not on this machine and the Hugging Face Hub "
+              f"cannot be reached ({str(e).strip().splitlines()[0][:160]}): fetch it once where the Hub is "
+              "reachable (it stays in the datasets cache, HF_DATASETS_CACHE), or point at local data with a "
+              "task YAML (dataset_path: json, data_files) in a folder given by --include_path "
+              "(docs/export_eval.md, Local tasks)", file=sys.stderr)
+        return 4
     if results is None:  # non-zero ranks under lm-eval's own distribution
         return 0
     for key, value in _tokenizer_info(lm).items():

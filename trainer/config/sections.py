@@ -19,9 +19,10 @@ from typing import Any, Literal
 
 from trainer.checkpoint.config import SECTION_DOC as _CHECKPOINT_DOC, Checkpoint
 from trainer.config.torchtitan import (
-    SECTION_DOC as _TORCHTITAN_SECTION_DOC, Experimental, FaultTolerance, LoaderWorkers, MemoryEstimation,
+    SECTION_DOC as _TORCHTITAN_SECTION_DOC, Experimental, LoaderWorkers, MemoryEstimation,
 )
 from trainer.data.config import Data
+from trainer.fault_tolerance.config import SECTION_DOC as _FT_DOC, FaultTolerance
 from trainer.models.config import SECTION_DOC as _MODEL_DOC, Model
 from trainer.observability.config import SECTION_DOC as _OBSERVABILITY_DOC, Comm, Metrics, Profiling
 from trainer.optim.config import SECTION_DOC as _OPTIM_DOC, LRScheduler, Optimizer
@@ -51,8 +52,9 @@ class Job:
     """Also write the resolved configuration as JSON to <dump_folder>/<this file> (rank 0); None: only the
     config.toml every run writes there."""
     custom_config_module: str = ""
-    """Refused unless empty: torchtitan's way to extend JobConfig from a Python module; here extensions add
-    their sections through the registry (trainer/extensions.py)."""
+    """Refused unless empty or "torchtitan.components.ft.config" (whose keys [fault_tolerance] has): torchtitan's
+    way to extend JobConfig from a Python module; here extensions add their sections through the registry
+    (trainer/extensions.py)."""
 
 
 @dataclass
@@ -187,5 +189,6 @@ SECTION_DOC = {
     "data": "Data sources, mixing, packing and loader workers (see docs/data.md).",
     "validation": "Held-out loss during training.",
     "debug": "Seeds, determinism and fault drills.",
+    **_FT_DOC,
     **_TORCHTITAN_SECTION_DOC,
 }

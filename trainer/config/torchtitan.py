@@ -1,7 +1,7 @@
 """Sections that exist so that torchtitan v0.2.x config files load unchanged.
 
 Each of these is torchtitan's section with its key names, types and defaults. Most of them configure a
-feature this trainer does not have (MX or grouped-GEMM quantisation, fault tolerance, FSDP memory
+feature this trainer does not have (MX or grouped-GEMM quantisation, FSDP memory
 estimation, custom JobConfig modules; the MX and grouped-GEMM [quantize] sections live with float8 in
 trainer/parallel/config.py): such a key is accepted at its default and refused, in one line
 naming it and why, when set otherwise (the table of reasons is ``trainer/compat.py``). The loader-worker
@@ -38,25 +38,6 @@ class MemoryEstimation:
 
 
 @dataclass
-class FaultTolerance:
-    enable: bool = False
-    """Refused unless false: TorchFT replica groups are not supported; restarts are torchrun's (MAX_RESTARTS)
-    with resume from the last checkpoint (docs/multinode.md)."""
-    process_group: str = "gloo"
-    """Refused unless "gloo" (TorchFT only, see fault_tolerance.enable)."""
-    process_group_timeout_ms: int = 10000
-    """Refused unless 10000 (TorchFT only, see fault_tolerance.enable)."""
-    replica_id: int = 0
-    """Refused unless 0 (TorchFT only, see fault_tolerance.enable)."""
-    group_size: int = 0
-    """Refused unless 0 (TorchFT only, see fault_tolerance.enable)."""
-    min_replica_size: int = 1
-    """Refused unless 1 (TorchFT only, see fault_tolerance.enable)."""
-    semi_sync_method: str | None = None
-    """Refused unless None: local SGD and DiLoCo (TorchFT) are not supported."""
-
-
-@dataclass
 class Experimental:
     custom_import: str = ""
     """Refused unless empty: modules are not imported by name from the config; capabilities attach through
@@ -68,7 +49,6 @@ class Experimental:
 SECTION_DOC = {
     "training.dataloader": "torchtitan's loader-worker keys for training (the same as their [data] namesakes).",
     "memory_estimation": "torchtitan's FSDP memory estimator (not here: use `trainer plan`; defaults only).",
-    "fault_tolerance": "torchtitan's TorchFT integration (not supported; defaults only).",
     "experimental": "torchtitan's custom imports (extensions use trainer/extensions.py; defaults only).",
     "validation.dataloader": "torchtitan's loader-worker keys for validation (defaults only: it runs in-process).",
 }

@@ -2,7 +2,7 @@
 
 Where a rule lives: next to the section it checks. The job-level sections' rules are in ``rules.py``, the
 torchtitan keys accepted only at their default in ``trainer/compat.py``, and each layer's in its
-``config.py`` (``trainer/{models,optim,parallel,checkpoint,observability}/config.py``; the data layer's in
+``config.py`` (``trainer/{models,optim,parallel,checkpoint,observability,fault_tolerance}/config.py``; the data layer's in
 ``trainer/data/checks.py``); extensions add theirs through the registry. All of them are torch-free.
 
 The launcher's pre-flight (``python -m trainer.config --check``) validates once before torchrun starts, and
@@ -15,6 +15,7 @@ from __future__ import annotations
 import trainer.checkpoint.config as checkpoint
 import trainer.config.rules as job
 import trainer.data.checks as data
+import trainer.fault_tolerance.config as fault_tolerance
 import trainer.models.config as models
 import trainer.observability.config as observability
 import trainer.optim.config as optim
@@ -23,7 +24,8 @@ from trainer import compat, extensions
 
 # The rules that need no world size, in the order they run (the first broken one is reported).
 _RULES = (job.check_numbers, compat.check, job.check_config, optim.check_config, parallel.check_config,
-          observability.check_config, checkpoint.check_config, models.check_config, data.check_config)
+          observability.check_config, checkpoint.check_config, models.check_config, data.check_config,
+          fault_tolerance.check_config)
 
 
 def validate(config, world_size: int | None = None, *, files: bool = True) -> None:

@@ -20,7 +20,9 @@ class Data:
     May be changed when resuming."""
     num_shards: int = 64
     """Logical shards of the data stream; must be divisible by the data-parallel degree. Keep it fixed for a
-    run: the global batch of every step depends on it, not on the number of ranks or workers."""
+    run: the global batch of every step depends on it, not on the number of ranks or workers. Left at its
+    default, a source too small for 64 shards gets the largest count it fills that the data-parallel degree
+    divides (the log says which); set explicitly, such a source is refused."""
     num_workers: int = 0
     """Loader worker processes per rank (0 loads in the training process)."""
     prefetch_factor: int = 2

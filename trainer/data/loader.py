@@ -57,10 +57,32 @@ _PROBE = "The quick brown fox jumps over the lazy dog. 0123 àéîõü 日本語
 
 
 def tokenizer_fingerprint(tokenizer) -> dict:
-    """Identifies a tokenizer well enough to refuse pre-tokenized data made with another one."""
+    """Identifies a tokenizer well enough to refuse pre-tokenized data made with another one: its size,
+    BOS/EOS, an encoded probe text and a hash of its whole vocabulary (a difference in one id shows).
+    ``path`` only names it in messages (the same tokenizer may live elsewhere)."""
+    from tokenizer import vocabulary_digest
+
     probe = hashlib.sha1(np.asarray(tokenizer.encode(_PROBE), dtype=np.int64).tobytes()).hexdigest()[:16]
     return {"vocab_size": int(tokenizer.vocab_size), "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id,
-            "probe": probe}
+            "probe": probe, "vocabulary": vocabulary_digest(tokenizer), "path": str(getattr(tokenizer, "path", ""))}
+
+
+def check_prepared_tokenizer(spec, have: dict, want: dict) -> None:
+    """Refuse prepared tokens made with a tokenizer other than the run's: one line naming both. ``path`` is
+    not compared (the same tokenizer may have moved); a folder prepared before vocabulary hashes were
+    recorded is compared on what it recorded."""
+    if not want:
+        return
+    keys = [k for k in want if k != "path" and (k in have or k != "vocabulary")]
+    differ = [k for k in keys if have.get(k) != want[k]]
+    if differ:
+        raise ConfigError(
+            f"{spec.key}: {spec.path!r} was prepared with tokenizer {have.get('path') or '(path not recorded)'} "
+            f"but this run's is {want.get('path') or '(unnamed)'}, and they differ in "
+            + ", ".join(f"{k} ({have.get(k)} vs {want[k]})" for k in differ)
+            + "; prepare the data again with this run's tokenizer (trainer data prepare) or set "
+              "model.tokenizer_path to the one it was prepared with"
+        )
 
 
 def data_seed(config) -> int:
@@ -69,9 +91,58 @@ def data_seed(config) -> int:
     return int(config.debug.seed) if config.debug.seed is not None else 0
 
 
+def _empty_shards(src, num_shards: int) -> list[int]:
+    """The shards of ``num_shards`` in which no document of ``src`` starts; [] when too costly to know."""
+    if src.partition == "modulo" and len(src.units) < num_shards:
+        return list(range(len(src.units), num_shards))
+    if src.check_cost() * num_shards > 100_000:
+        return []
+    return [j for j in range(num_shards) if src.shard_is_empty(j, num_shards)]
+
+
+def _check_shards(src, num_shards: int, text_field: str) -> None:
+    """Too many shards for small data is a likely mistake: say so now rather than at the first batch."""
+    empty = _empty_shards(src, num_shards)
+    if src.partition == "modulo" and len(src.units) < num_shards:
+        raise ConfigError(
+            f"{src.spec.key}: {len(src.units)} files, one document each (data.text_document = file), cannot "
+            f"feed data.num_shards = {num_shards} shards; lower data.num_shards or use more files"
+        )
+    if empty and len(empty) == num_shards:  # no shard count helps: the data itself is empty
+        raise ConfigError(f"{src.spec.key}: {src.label} holds no document (an empty file, or none with "
+                          f"text in data.text_field {text_field!r})")
+    if empty:
+        raise ConfigError(
+            f"{src.spec.key}: {src.label} is too small for data.num_shards = {num_shards}: {len(empty)} "
+            f"shard(s) would hold no document (e.g. shard {empty[0]}); lower data.num_shards"
+        )
+
+
+def _fitting_shards(sources, num_shards: int, multiple: int) -> int:
+    """data.num_shards left at its default: the largest count up to it, a multiple of the data-parallel
+    degree, that gives every shard of every source a document; said in one line when lower than the
+    default. The same data gives the same count on every rank and launch."""
+    if not any(_empty_shards(src, num_shards) for src in sources):
+        return num_shards
+    for n in range(num_shards - num_shards % multiple, 0, -multiple):
+        if not any(_empty_shards(src, n) for src in sources):
+            small = next(src for src in sources if _empty_shards(src, num_shards))
+            logger.info("data.num_shards: %s holds too few documents for the default %d shards; using %d "
+                        "(set data.num_shards to choose)", small.label, num_shards, n)
+            return n
+    small = next(src for src in sources if _empty_shards(src, multiple))
+    if len(_empty_shards(small, multiple)) == multiple:
+        return num_shards  # no document at all: the check says so
+    raise ConfigError(f"{small.spec.key}: {small.label} holds too few documents for {multiple} data-parallel ranks "
+                      "(data.num_shards must be a multiple of their number): add data or train on fewer ranks")
+
+
 def build_plan(config, tokenizer, specs: list[SourceSpec], weights: list[float], *, num_shards: int,
-               shuffle: bool, max_epochs: int | None, seq_len: int | None = None) -> DataPlan:
-    """Resolve sources (start-up errors for missing files happen here) and the packing settings."""
+               shuffle: bool, max_epochs: int | None, seq_len: int | None = None,
+               shard_multiple: int | None = None) -> DataPlan:
+    """Resolve sources (start-up errors for missing files happen here) and the packing settings.
+    ``shard_multiple`` (data.num_shards not set by the user): ``num_shards`` may be lowered to the largest
+    multiple of it that the data fills (:func:`_fitting_shards`)."""
     d = config.data
     from tokenizer.policy import run_separator
 
@@ -85,27 +156,17 @@ def build_plan(config, tokenizer, specs: list[SourceSpec], weights: list[float],
     seed = data_seed(config)
     fingerprint = tokenizer_fingerprint(tokenizer) if any(s.kind == "tokens" for s in specs) else {}
     opts = SourceOptions(text_field=d.text_field, text_document=d.text_document, seed=seed, shuffle=shuffle,
-                         shuffle_window=d.shuffle_window, tokenizer_fingerprint=fingerprint,
+                         shuffle_window=d.shuffle_window,
                          tokens_field=d.tokens_field, numpy_dtype=d.numpy_dtype, eos_id=tokenizer.eos_id,
                          vocab_size=model_vocab(config, tokenizer), tokenizer_vocab=int(tokenizer.vocab_size))
     sources = [build_source(spec, i, opts) for i, spec in enumerate(specs)]
     for src in sources:
-        if src.partition == "modulo" and len(src.units) < num_shards:
-            raise ConfigError(
-                f"{src.spec.key}: {len(src.units)} files, one document each (data.text_document = file), cannot "
-                f"feed data.num_shards = {num_shards} shards; lower data.num_shards or use more files"
-            )
-        # Too many shards for small data is a likely mistake: say so now rather than at the first batch.
-        if src.check_cost() * num_shards <= 100_000:
-            empty = [j for j in range(num_shards) if src.shard_is_empty(j, num_shards)]
-            if len(empty) == num_shards:  # no shard count helps: the data itself is empty
-                raise ConfigError(f"{src.spec.key}: {src.label} holds no document (an empty file, or none with "
-                                  f"text in data.text_field {d.text_field!r})")
-            if empty:
-                raise ConfigError(
-                    f"{src.spec.key}: {src.label} is too small for data.num_shards = {num_shards}: {len(empty)} "
-                    f"shard(s) would hold no document (e.g. shard {empty[0]}); lower data.num_shards"
-                )
+        if src.kind == "tokens":
+            check_prepared_tokenizer(src.spec, src.meta.get("tokenizer", {}), fingerprint)
+    if shard_multiple is not None:
+        num_shards = _fitting_shards(sources, num_shards, shard_multiple)
+    for src in sources:
+        _check_shards(src, num_shards, d.text_field)
     strip = tuple(t for t in (tokenizer.bos_id, tokenizer.eos_id) if t is not None)
     return DataPlan(
         sources=sources, weights=list(weights), tokenizer=tokenizer, seq_len=int(seq_len or config.training.seq_len),
@@ -409,11 +470,13 @@ def _check_fingerprint(saved: dict, current: dict) -> None:
     raise DataStateError(f"the data changed since the data state was saved ({detail})")
 
 
-def merge_states(states: list[dict]) -> dict:
+def merge_states(states: list[dict], ranks: list[int] | None = None) -> dict:
     """Merge the state_dict() of every data-parallel rank (any order) into one global state.
 
     Pure Python on JSON-able dicts: the checkpoint manager all-gathers the per-rank states at save time and stores the
     result, which TrainLoader.load_state_dict / load_global_state load with any data-parallel degree.
+    ``ranks``: the ranks whose states these are, when a process group holds only some of them (a replica group
+    of a fault-tolerant job: its part of the stream); the result then has only their shards.
     """
     states = list(states)
     if not states:
@@ -424,9 +487,11 @@ def merge_states(states: list[dict]) -> dict:
         if not isinstance(s, dict) or s.get("format") != STATE_FORMAT or s.get("kind") != "rank":
             raise DataStateError("merge_states takes the state_dict() of every rank")
     world = states[0]["dp_world_size"]
-    ranks = sorted(s["dp_rank"] for s in states)
-    if ranks != list(range(world)) or any(s["dp_world_size"] != world for s in states):
-        raise DataStateError(f"merge_states needs exactly one state of each of the {world} ranks, got ranks {ranks}")
+    expected = list(range(world)) if ranks is None else sorted(ranks)
+    got = sorted(s["dp_rank"] for s in states)
+    if got != expected or any(s["dp_world_size"] != world for s in states):
+        which = f"the {world} ranks" if ranks is None else f"the ranks {expected[0]}..{expected[-1]} of {world}"
+        raise DataStateError(f"merge_states needs exactly one state of each of {which}, got ranks {got}")
     positions = {s["sequences"] for s in states}
     if len(positions) != 1:
         raise DataStateError(f"the ranks' data states are at different positions ({sorted(positions)} sequences)")
@@ -519,13 +584,15 @@ def build_train_loader(config, tokenizer, *, dp_rank: int, dp_world_size: int) -
     b, g, _ = batch_geometry(config, dp_world_size)
     specs, weights = training_specs(config)
     d = config.data
-    plan = build_plan(config, tokenizer, specs, weights, num_shards=d.num_shards, shuffle=d.shuffle, max_epochs=None)
+    auto = None if config.explicitly_set("data.num_shards") else dp_world_size
+    plan = build_plan(config, tokenizer, specs, weights, num_shards=d.num_shards, shuffle=d.shuffle, max_epochs=None,
+                      shard_multiple=auto)
     workers = max(1, d.num_workers)
-    if workers > 1 and (d.num_shards // dp_world_size) % (b * workers):
+    if workers > 1 and (plan.num_shards // dp_world_size) % (b * workers):
         logger.warning(
             "data.num_shards (%d) is not a multiple of data-parallel degree (%d) x local_batch_size (%d) x "
             "data.num_workers (%d): loader workers will share shards and tokenize some data twice",
-            d.num_shards, dp_world_size, b, workers,
+            plan.num_shards, dp_world_size, b, workers,
         )
     return TrainLoader(plan, dp_rank=dp_rank, dp_world_size=dp_world_size, local_batch_size=b,
                        global_batch_size=g, num_workers=d.num_workers, prefetch_factor=d.prefetch_factor,

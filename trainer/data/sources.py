@@ -23,7 +23,7 @@ import json
 import os
 import re
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -85,7 +85,6 @@ class SourceOptions:
     seed: int = 0
     shuffle: bool = True
     shuffle_window: int = 1024
-    tokenizer_fingerprint: dict = field(default_factory=dict, hash=False, compare=False)
     tokens_field: str = "tokens"  # the token column of arrow files (pre-tokenized documents)
     numpy_dtype: str = "auto"  # the token type of headerless numpy files
     eos_id: int | None = None  # delimits the documents of numpy files without a .csv.gz sidecar
@@ -520,13 +519,6 @@ class TokenSource(Source):
             self.meta = json.load(f)
         if self.meta.get("format") != TOKENS_FORMAT:
             raise ConfigError(f"{spec.key}: {meta_path} has format {self.meta.get('format')!r}, want {TOKENS_FORMAT!r}")
-        want = opts.tokenizer_fingerprint
-        have = self.meta.get("tokenizer", {})
-        if want and have != want:
-            raise ConfigError(
-                f"{spec.key}: {spec.path!r} was prepared with another tokenizer ({have}) than the configured "
-                f"one ({want}); run trainer data prepare again"
-            )
         self.folder = folder
         self.units = [u["name"] for u in self.meta["units"]]
         self.sizes = [int(u["size"]) for u in self.meta["units"]]

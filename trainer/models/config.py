@@ -24,10 +24,12 @@ from trainer.models.llama.flavors import LLAMA_FLAVORS, TORCHTITAN_FLAVORS, get_
 class Model:
     name: Literal["llama2", "llama3"] = "llama3"
     """Model family. Both use the same Llama architecture; the family picks the flavor table."""
-    flavor: str = "debugmodel"
-    """Model size, a key of the flavor table: debugmodel, llama2_7b, llama2_13b, llama2_70b, llama3_1b,
-    llama3_3b, llama3_8b, llama3_70b, llama3_405b; or custom: no base, the shape comes from model.dim,
-    n_layers and n_heads (required) and the keys below (what `trainer import` writes)."""
+    flavor: str = "debug_gqa"
+    """Model size, a key of the flavor table: debug_gqa (this trainer's debug model: 4 kv heads, vocabulary
+    from the tokenizer, no RoPE scaling), debugmodel (torchtitan's, key for key), llama2_7b, llama2_13b,
+    llama2_70b, llama3_1b, llama3_3b, llama3_8b, llama3_70b, llama3_405b, or torchtitan's names (8B, 70B,
+    405B; llama2: 7B, 13B, 70B); or custom: no base, the shape comes from model.dim, n_layers and n_heads
+    (required) and the keys below (what `trainer import` writes)."""
     hf_assets_path: str = ""
     """A Hugging Face assets folder, as torchtitan uses it: tokenizer.json with tokenizer_config.json (BOS,
     EOS and other special tokens it declares are honoured), optionally config.json and safetensors weights
@@ -38,7 +40,7 @@ class Model:
     tiktoken file (Llama 3); wins over hf_assets_path for the tokenizer. Empty: hf_assets_path, else the
     bundled debug BPE tokenizer."""
     vocab_size: int = -1
-    """Embedding rows. -1: the flavor's published vocabulary, or for flavors without one (debugmodel) the
+    """Embedding rows. -1: the flavor's published vocabulary, or for flavors without one (debug_gqa) the
     tokenizer's vocabulary rounded up to a multiple of 64 (faster matmuls)."""
     # Shape overrides (docs/export_eval.md, "Custom shapes"): -1 / unset keeps the flavor's value.
     dim: int = -1
@@ -114,7 +116,7 @@ def _flavor_key(name: str, flavor: str) -> str | None:
 def get_model_args(name: str, flavor: str) -> LlamaModelArgs:
     """Args (a fresh copy; the flavor table is never changed) for model ``name`` and ``flavor``.
 
-    ``flavor`` is a key of ``LLAMA_FLAVORS`` (e.g. ``"llama3_8b"``, ``"debugmodel"``); for
+    ``flavor`` is a key of ``LLAMA_FLAVORS`` (e.g. ``"llama3_8b"``, ``"debug_gqa"``); for
     ``name`` ``"llama2"``/``"llama3"`` the prefix may be omitted (``"8b"``). ``"<flavor>_<N>l"`` is the
     flavor with ``N`` layers. Raises ``ValueError`` naming the valid names/flavors otherwise.
     """

@@ -10,7 +10,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch.profiler import record_function
@@ -79,6 +79,7 @@ class ObservedRun:
     flops_per_token: int | None = None  # with peak_tflops: the summary's mean TFLOPS and MFU
     peak_tflops: float | None = None
     checkpointer: CheckpointManager | None = None  # its saves and failures go into the summary
+    extra_summary: Callable[[], dict[str, Any]] | None = None  # more fields (fault tolerance's)
 
 
 class Observability:
@@ -269,6 +270,8 @@ class Observability:
             "memory_snapshots": [str(p) for p in self.memory.written],
             "outputs": outputs,
         }
+        if run.extra_summary is not None:
+            summary.update(run.extra_summary())
         return summary
 
     def write_summary(self, status: str, error: str | None = None) -> dict[str, Any] | None:

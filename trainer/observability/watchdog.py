@@ -53,7 +53,9 @@ class Watchdog:
                  poll_s: float | None = None, exit_code: int = WATCHDOG_EXIT_CODE,
                  exit_fn: Callable[[int], Any] = os._exit, on_fire: Callable[[str], Any] | None = None,
                  flight_recorder: Callable[[], list[Path]] | None = None, exit_grace_s: float = 3.0,
-                 backstop_grace_s: float = 30.0, dump_on_sigterm: bool = True):
+                 backstop_grace_s: float = 30.0, dump_on_sigterm: bool = True,
+                 clock: Callable[[], float] = time.monotonic):
+        self.clock = clock  # seconds; tests pass one they advance by hand
         self.timeout_s = float(timeout_s)
         self.first_timeout_s = float(max(first_timeout_s or 0, timeout_s))
         self.poll_s = poll_s if poll_s is not None else min(1.0, max(0.05, self.timeout_s / 20))
@@ -65,7 +67,7 @@ class Watchdog:
         self.backstop = backstop_grace_s > 0
         self.dump_on_sigterm = dump_on_sigterm and hasattr(faulthandler, "register")
         self.deadline = float("inf")
-        self.last_progress = time.monotonic()
+        self.last_progress = self.clock()
         self.step: int | None = None
         self.fired = False
         self.file = None
@@ -82,7 +84,7 @@ class Watchdog:
             global _SIGTERM_DUMP_REGISTERED
             faulthandler.register(signal.SIGTERM, file=self.file, all_threads=True, chain=True)
             _SIGTERM_DUMP_REGISTERED = True
-        now = time.monotonic()
+        now = self.clock()
         self.last_progress = now
         self.deadline = now + self.first_timeout_s
         if self.backstop:  # armed here too: the watchdog thread may never get the GIL to arm it
@@ -93,7 +95,7 @@ class Watchdog:
 
     def heartbeat(self, step: int | None = None) -> None:
         """Progress: the next deadline is ``timeout_s`` from now."""
-        now = time.monotonic()
+        now = self.clock()
         self.last_progress = now
         self.deadline = now + self.timeout_s
         if step is not None:
@@ -101,7 +103,7 @@ class Watchdog:
 
     def allow(self, seconds: float) -> None:
         """Let the work that starts now take ``seconds`` longer than the timeout (e.g. a checkpoint save)."""
-        self.deadline = max(self.deadline, time.monotonic() + self.timeout_s + seconds)
+        self.deadline = max(self.deadline, self.clock() + self.timeout_s + seconds)
 
     def stop(self) -> None:
         self._stop.set()
@@ -130,7 +132,7 @@ class Watchdog:
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
-            now = time.monotonic()
+            now = self.clock()
             if now < self.deadline:
                 if self.backstop and self._armed != self.deadline:
                     self._armed = self.deadline

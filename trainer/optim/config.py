@@ -23,7 +23,11 @@ class Optimizer:
     eps: float = 1e-8
     """AdamW epsilon."""
     weight_decay: float = 0.1
-    """Decoupled weight decay, applied to 2-D weights only (matrices and embeddings; not norms)."""
+    """Decoupled weight decay, applied to 2-D weights only (matrices and embeddings; not norms) unless
+    weight_decay_norms_and_biases is set."""
+    weight_decay_norms_and_biases: bool = False
+    """Apply weight_decay to 1-D parameters too (RMSNorm weights, biases), as torchtitan does (it decays
+    every parameter). Off: norms keep their scale (GPT-2/nanoGPT, Hugging Face's Trainer, OLMo)."""
     implementation: Literal["fused", "foreach", "for-loop"] = "fused"
     """AdamW kernel: fused (one kernel per step where the device supports it), foreach, or for-loop."""
     early_step_in_backward: bool = False

@@ -1,4 +1,4 @@
-"""AdamW with decay on 2-D weights only, and the learning-rate schedule."""
+"""AdamW (decay on 2-D weights, on 1-D ones too by choice) and the learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -16,12 +16,14 @@ logger = logging.getLogger("trainer")
 
 
 def build_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: Optimizer) -> torch.optim.Optimizer:
-    """AdamW over named parameters; matrices and embeddings decay, norms (1-D) do not."""
-    decay = [p for _, p in params if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for _, p in params if p.requires_grad and p.ndim < 2]
+    """AdamW over named parameters in two groups: matrices and embeddings (2-D), which decay, and norms and
+    biases (1-D), which decay only with ``weight_decay_norms_and_biases`` (torchtitan's behaviour: every
+    parameter decays). The two groups exist either way, so a checkpoint's groups fit whatever the key."""
+    matrices = [p for _, p in params if p.requires_grad and p.ndim >= 2]
+    vectors = [p for _, p in params if p.requires_grad and p.ndim < 2]
     groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": matrices, "weight_decay": cfg.weight_decay},
+        {"params": vectors, "weight_decay": cfg.weight_decay if cfg.weight_decay_norms_and_biases else 0.0},
     ]
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     impl = cfg.implementation

@@ -27,10 +27,11 @@ _LLAMA32_SCALING = RopeScaling(
 )
 
 LLAMA_FLAVORS: dict[str, LlamaModelArgs] = {
-    # Tiny model for CPU runs and tests. head_dim 16; 16 query / 4 kv heads (GQA) so tensor
-    # parallel degrees 2 and 4 divide both; every Linear dim (256, 64, 768, vocab from a
-    # ~2048-token tokenizer) is a multiple of 16 even after TP-4 sharding, as float8 needs.
-    "debugmodel": LlamaModelArgs(
+    # This trainer's tiny model for CPU runs and tests (train_configs/debug_model.toml). head_dim 16;
+    # 16 query / 4 kv heads, so grouped-query attention is exercised and tensor parallel degrees 2 and 4
+    # divide both; every Linear dim (256, 64, 768, vocab from a ~2048-token tokenizer) is a multiple of 16
+    # even after TP-4 sharding, as float8 needs. No RoPE scaling.
+    "debug_gqa": LlamaModelArgs(
         dim=256,
         n_layers=6,
         n_heads=16,
@@ -39,6 +40,20 @@ LLAMA_FLAVORS: dict[str, LlamaModelArgs] = {
         multiple_of=256,  # ffn hidden 768
         rope_theta=500000.0,
         max_seq_len=2048,
+    ),
+    # torchtitan's llama3 "debugmodel", field for field: multi-head attention (16 kv heads), a
+    # 2048-token vocabulary and the Llama 3.1 RoPE scaling every torchtitan llama3 flavor applies.
+    "debugmodel": LlamaModelArgs(
+        dim=256,
+        n_layers=6,
+        n_heads=16,
+        n_kv_heads=None,
+        vocab_size=2048,
+        multiple_of=256,  # ffn hidden 768
+        norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=_LLAMA31_SCALING,
+        max_seq_len=131072,
     ),
     "llama2_7b": LlamaModelArgs(
         dim=4096,
@@ -139,9 +154,9 @@ LLAMA_FLAVORS: dict[str, LlamaModelArgs] = {
 }
 
 # torchtitan's flavor names, per model name (its llama3 table, and the llama2 table of its earlier
-# releases) -> the names above; "70B" means a different model under llama2 and llama3. torchtitan's own
-# "debugmodel" is MHA (16 kv heads) with a 2048-token vocabulary; ours keeps 4 kv heads so that tensor
-# parallel degrees 2 and 4 divide them (docs/coming_from_torchtitan.md).
+# releases) -> the names above; "70B" means a different model under llama2 and llama3. A flavor under a
+# torchtitan name is torchtitan's model key for key ("debugmodel" included; tests/unit/test_model.py holds
+# them to torchtitan v0.2.2's table); this trainer's own debug model is "debug_gqa".
 TORCHTITAN_FLAVORS: dict[str, dict[str, str]] = {
     "llama3": {"8B": "llama3_8b", "70B": "llama3_70b", "405B": "llama3_405b"},
     "llama2": {"7B": "llama2_7b", "13B": "llama2_13b", "70B": "llama2_70b"},

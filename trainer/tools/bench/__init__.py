@@ -29,7 +29,7 @@ Suites (each prints rows of the table and fills one entry of the JSON results):
   trainer's ``CheckpointManager`` (DCP); how long an asynchronous save blocks the loop (from the save call
   until the loop may continue) against a synchronous save; and the slowdown of steps while the background
   write runs.
-* ``gpu`` (CUDA only; skipped elsewhere): tokens/s, MFU and peak memory per flavor (debugmodel, llama3_1b,
+* ``gpu`` (CUDA only; skipped elsewhere): tokens/s, MFU and peak memory per flavor (debug_gqa, llama3_1b,
   llama3_3b, llama3_8b with fewer layers) and variant (eager bf16, compile, compile+float8 tensorwise,
   compile+float8 rowwise, compile+selective op AC, compile+full AC), each case in its own process, with the
   local batch chosen by ``trainer plan``'s memory estimate (halved on out-of-memory) and that estimate
@@ -97,7 +97,7 @@ def _internal(command: str, spec: dict) -> int:
             result = gpu_case(spec)
         except torch.OutOfMemoryError as e:
             result = {"error": f"out of memory: {str(e).splitlines()[0]}", "oom": True}
-    elif spec["role"] in ("ours", "torchtitan"):
+    elif spec["role"] in ("ours", "torchtitan", "ours_losses", "torchtitan_losses"):
         from . import vs_torchtitan
 
         if spec.get("threads"):
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--matrix", default=None, choices=sorted(MATRICES),
                         help="gpu: a named set of cases (hot_path: 1B and 8B-shaped layers at seq 4096 and 8192, "
                              "bf16 and float8, compile on and off) instead of --flavors/--variants/--seq-len")
-    parser.add_argument("--seq-len", type=int, default=4096, help="gpu: sequence length (debugmodel: at most 2048)")
+    parser.add_argument("--seq-len", type=int, default=4096, help="gpu: sequence length (debug_gqa: at most 2048)")
     parser.add_argument("--max-local-batch", type=int, default=8, help="gpu: largest local batch tried")
     parser.add_argument("--case-timeout", type=float, default=900, help="gpu: seconds per case")
     args, overrides = parser.parse_known_args(argv)

@@ -18,7 +18,7 @@ from .common import ROOT, _free_port, _quiet, _sync, build_trainer, close_traine
     trainer_steps
 
 
-GPU_FLAVORS = ("debugmodel", "llama3_1b", "llama3_3b", "llama3_8b_4l")
+GPU_FLAVORS = ("debug_gqa", "llama3_1b", "llama3_3b", "llama3_8b_4l")
 GPU_VARIANTS: dict[str, list[str]] = {
     "eager": [],
     "compile": ["--compile.enable", "true"],
@@ -112,7 +112,7 @@ def gpu_case(spec: dict) -> dict:
 
 def gpu_cases(args) -> list[tuple[str, str, int]]:
     """(flavor, variant, seq_len) of every case asked for: a ``--matrix``, or ``--flavors`` x ``--variants`` at
-    ``--seq-len`` (debugmodel at most 2048)."""
+    ``--seq-len`` (debug_gqa at most 2048)."""
     if args.matrix:
         m = MATRICES[args.matrix]
         flavors, variants, seq_lens = list(m["flavors"]), list(m["variants"]), list(m["seq_lens"])
@@ -126,7 +126,7 @@ def gpu_cases(args) -> list[tuple[str, str, int]]:
         raise SystemExit(f"trainer bench gpu: unknown variant {unknown[0]!r}; known: {', '.join(GPU_VARIANTS)}")
     cases = []
     for flavor in flavors:
-        for seq_len in dict.fromkeys(s if flavor != "debugmodel" else min(s, 2048) for s in seq_lens):
+        for seq_len in dict.fromkeys(s if flavor != "debug_gqa" else min(s, 2048) for s in seq_lens):
             cases += [(flavor, variant, seq_len) for variant in variants]
     return cases
 

@@ -44,7 +44,7 @@ def _debug_state() -> dict:
     from trainer.models.llama.model import build_llama
 
     with torch.device("meta"):
-        model = build_llama("debugmodel", vocab_size=2048)  # the bundled debug tokenizer's size
+        model = build_llama("debug_gqa", vocab_size=2048)  # the bundled debug tokenizer's size
     gen = torch.Generator().manual_seed(0)
     state = {}
     for name, p in model.named_parameters():

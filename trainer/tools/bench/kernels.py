@@ -21,7 +21,7 @@ from trainer.models.llama.model import apply_rotary_emb, precompute_rope_cache
 
 # name -> (batch, seq, heads, head_dim, rope_theta)
 SHAPES = {
-    "debugmodel": (8, 256, 16, 16, 500000.0),
+    "debug_gqa": (8, 256, 16, 16, 500000.0),
     "llama3_8b_layer": (1, 2048, 32, 128, 500000.0),
 }
 
@@ -90,7 +90,7 @@ def model_case(repeats: int, rounds: int, batch: int = 8, seq: int = 256) -> dic
     from trainer.models.llama.model import Transformer
     from trainer.models.llama import model as llama
 
-    args = get_model_args("llama", "debugmodel")
+    args = get_model_args("llama", "debug_gqa")
     if args.vocab_size <= 0:
         args.vocab_size = 2048  # the bundled tokenizer's
     torch.manual_seed(0)
@@ -133,7 +133,7 @@ def model_case(repeats: int, rounds: int, batch: int = 8, seq: int = 256) -> dic
 
 def bench_kernels(args, overrides: list[str], workdir: str) -> dict[str, Any]:
     small = args.steps == "small"
-    shapes = ["debugmodel"] if small else list(SHAPES)
+    shapes = ["debug_gqa"] if small else list(SHAPES)
     modes = [False] if small else [False, True]
     repeats, rounds = (2, 1) if small else (5, 5)
     cases = []

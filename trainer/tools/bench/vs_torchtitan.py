@@ -1,8 +1,9 @@
 """``trainer bench vs-torchtitan``: our trainer's steady step against torchtitan's, same shape and settings.
 
 Each trainer runs in a process of its own, one after the other, alternating which goes first, ``repeats``
-pairs. Both train the debug shape (dim 256, 6 layers, 16 query / 4 kv heads, vocabulary 2048 from the
-bundled BPE tokenizer) in float32 on one rank, with AdamW (fused, lr 3e-3, weight decay 0.1), clipping at
+pairs. Both train torchtitan's ``debugmodel`` flavor, which is the same model in both (dim 256, 6 layers,
+16 heads, vocabulary 2048, Llama 3.1 RoPE scaling; the bundled BPE tokenizer) in float32 on one rank, with AdamW (fused, lr 3e-3, weight decay 0.1 on every
+parameter, as torchtitan decays: ``optimizer.weight_decay_norms_and_biases`` here), clipping at
 1.0, a 5-step warm-up, ``seq_len`` 256 x 8 sequences, no activation checkpointing, no compile, tokenizing
 the bundled Shakespeare sample on the fly in the training process, logging every 5 steps:
 
@@ -12,7 +13,9 @@ the bundled Shakespeare sample on the fly in the training process, logging every
   ``Trainer.train`` loop per step (``gc_handler.run``, ``train_step``, ``checkpointer.save``).
 
 Each process warms up, then times cycles of ``log_freq`` steps with the GC off; it reports its median
-step time (wall clock and process CPU time) and its peak resident memory. torchtitan is not a dependency:
+step time (wall clock and process CPU time) and its peak resident memory. Then :func:`compare_losses`
+trains both from the same initial weights on the same batches (ours drawn from our loader) and reports
+their losses, learning rates and gradient norms step by step. torchtitan is not a dependency:
 this suite runs when ``import torchtitan`` works (for example ``pip install --no-deps torchtitan==0.2.2``
 into a folder on ``PYTHONPATH``) and otherwise says so in one line. torchtitan 0.2.2 assumes an
 accelerator; :func:`_patch_torchtitan_for_cpu` adapts it at run time (its files stay as they are).
@@ -129,12 +132,8 @@ def torchtitan_worker(spec: dict) -> dict[str, Any]:
     """torchtitan's trainer in this process: warm-up, then timed cycles of its training-loop body."""
     _patch_torchtitan_for_cpu()
     from torchtitan.config import ConfigManager
-    from torchtitan.models.llama3 import TransformerModelArgs, llama3_args
     from torchtitan.train import Trainer
 
-    # The same shape as our debug model (16 query / 4 kv heads, vocabulary of the bundled tokenizer).
-    llama3_args["debugmodel"] = TransformerModelArgs(dim=256, n_layers=6, n_heads=16, n_kv_heads=4,
-                                                     vocab_size=2048, multiple_of=256, rope_theta=500000)
     single_rank_env()
     config = ConfigManager().parse_args(_torchtitan_argv(spec))
     trainer = Trainer(config)
@@ -155,20 +154,102 @@ def torchtitan_worker(spec: dict) -> dict[str, Any]:
     return _result("torchtitan", times, cpu, params)
 
 
-def ours_worker(spec: dict) -> dict[str, Any]:
-    from .common import build_trainer, close_trainer, load_bench_config, observed, trainer_steps
+def _our_config(spec: dict):
+    from .common import load_bench_config
 
     import argparse
 
     s = SETTINGS
-    argv = ["--training.seq_len", str(s["seq_len"]), "--training.local_batch_size", str(s["local_batch_size"]),
-            "--training.max_norm", str(s["max_norm"]), "--optimizer.lr", str(s["lr"]),
-            "--optimizer.weight_decay", str(s["weight_decay"]), "--lr_scheduler.warmup_steps",
-            str(s["warmup_steps"]), "--lr_scheduler.decay_type", "cosine", "--lr_scheduler.min_lr_factor", "0.1",
-            "--metrics.log_freq", str(s["log_freq"]), "--activation_checkpoint.mode", "none",
-            "--data.num_workers", "0", "--training.dataset", "shakespeare"]
+    argv = ["--model.flavor", "debugmodel", "--training.seq_len", str(s["seq_len"]), "--training.local_batch_size",
+            str(s["local_batch_size"]), "--training.max_norm", str(s["max_norm"]), "--optimizer.lr", str(s["lr"]),
+            "--optimizer.weight_decay", str(s["weight_decay"]), "--optimizer.weight_decay_norms_and_biases",
+            "--lr_scheduler.warmup_steps", str(s["warmup_steps"]), "--lr_scheduler.decay_type", "cosine",
+            "--lr_scheduler.min_lr_factor", "0.1", "--metrics.log_freq", str(s["log_freq"]),
+            "--activation_checkpoint.mode", "none", "--data.num_workers", "0", "--training.dataset", "shakespeare"]
     config = load_bench_config(argparse.Namespace(config=spec["config"]), argv, [], spec["dump"])
     config.training.steps = spec["horizon"]
+    return config
+
+
+def ours_losses_worker(spec: dict) -> dict[str, Any]:
+    """Our trainer's first ``steps`` losses; writes its initial weights and the steps' batches for torchtitan."""
+    from .common import build_trainer, close_trainer
+
+    trainer = build_trainer(_our_config(spec))
+    torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, spec["weights"])
+    batches = [trainer.next_micro_batches() for _ in range(spec["steps"])]
+    torch.save([[{"input": b["input"], "labels": b["labels"]} for b in step] for step in batches], spec["batches"])
+    queue = iter(batches)
+    trainer.next_micro_batches = lambda: next(queue)
+    with _quiet():
+        outs = [trainer.train_step(step) for step in range(1, spec["steps"] + 1)]
+    close_trainer(trainer)
+    return {"role": "ours", "losses": [float(o["loss"]) for o in outs], "lrs": [float(o["lr"]) for o in outs],
+            "grad_norms": [float(o["grad_norm"]) for o in outs]}
+
+
+def torchtitan_losses_worker(spec: dict) -> dict[str, Any]:
+    """torchtitan's losses from our initial weights on our batches: its own train_step, in its own process."""
+    _patch_torchtitan_for_cpu()
+    from torchtitan.config import ConfigManager
+    from torchtitan.train import Trainer
+
+    single_rank_env()
+    trainer = Trainer(ConfigManager().parse_args(_torchtitan_argv(spec)))
+    weights = torch.load(spec["weights"])
+    missing, unexpected = trainer.model_parts[0].load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise RuntimeError(f"weights differ by name: missing {missing}, unexpected {unexpected}")
+    found: list[torch.Tensor] = []
+    step_fn = trainer.forward_backward_step
+
+    def recorded(*args, **kwargs):
+        found.append(step_fn(*args, **kwargs).detach())
+        return found[-1]
+
+    trainer.forward_backward_step = recorded
+    import torchtitan.distributed.utils as tt_dist
+
+    norms: list[float] = []
+    clip = tt_dist.clip_grad_norm_
+
+    def recorded_clip(*args, **kwargs):
+        norm = clip(*args, **kwargs)
+        norms.append(float(norm))
+        return norm
+
+    tt_dist.clip_grad_norm_ = recorded_clip
+    losses, lrs = [], []
+    with _quiet():
+        for step, micro in enumerate(torch.load(spec["batches"]), start=1):
+            trainer.step = step
+            found.clear()
+            lrs.append(float(trainer.lr_schedulers.schedulers[0].get_last_lr()[0]))
+            trainer.train_step(trainer.batch_generator([({"input": b["input"]}, b["labels"]) for b in micro]))
+            losses.append(float(torch.sum(torch.stack(found))))
+    trainer.close()
+    return {"role": "torchtitan", "losses": losses, "lrs": lrs, "grad_norms": norms}
+
+
+def compare_losses(workdir: str, config: str, steps: int, timeout: float) -> dict[str, Any]:
+    """Both trainers from the same initial weights on the same batches (ours drawn from our loader), settings
+    matched (weight decay on every parameter): their losses, step by step, and whether they are bitwise equal."""
+    spec = {"config": config, "steps": steps, "horizon": 10 * steps + 10, "weights": f"{workdir}/vs_tt_weights.pt",
+            "batches": f"{workdir}/vs_tt_batches.pt"}
+    ours = _run_worker({**spec, "role": "ours_losses", "dump": f"{workdir}/vs_tt_losses_ours"}, timeout)
+    theirs = _run_worker({**spec, "role": "torchtitan_losses", "dump": f"{workdir}/vs_tt_losses_tt"}, timeout)
+    a, b = ours["losses"], theirs["losses"]
+    return {"steps": steps, "losses_ours": a, "losses_torchtitan": b, "bitwise_equal": a == b,
+            "max_abs_difference": max(abs(x - y) for x, y in zip(a, b)),
+            "lr_equal": ours["lrs"] == theirs["lrs"], "grad_norm_equal": ours["grad_norms"] == theirs["grad_norms"],
+            "runs": {"ours": ours, "torchtitan": theirs}}
+
+
+def ours_worker(spec: dict) -> dict[str, Any]:
+    from .common import build_trainer, close_trainer, observed, trainer_steps
+
+    s = SETTINGS
+    config = _our_config(spec)
     trainer = build_trainer(config)
     with _quiet(), observed(trainer) as obs:
         trainer_steps(trainer, 1, spec["warmup"], obs)
@@ -217,4 +298,14 @@ def bench_vs_torchtitan(args, overrides: list[str], workdir: str) -> dict[str, A
         "peak_rss_mib_torchtitan": med(p["torchtitan"]["peak_rss_mib"] for p in pairs),
         "params_ours": pairs[0]["ours"]["params"], "params_torchtitan": pairs[0]["torchtitan"]["params"],
         "runs": pairs,
+        **_loss_rows(compare_losses(workdir, str(args.config), 3 if small else 10, args.case_timeout)),
     }
+
+
+def _loss_rows(losses: dict[str, Any]) -> dict[str, Any]:
+    """The comparison's numbers as the report's rows (it prints numbers), and the whole comparison."""
+    same = lambda key: sum(x == y for x, y in zip(losses["runs"]["ours"][key], losses["runs"]["torchtitan"][key]))  # noqa: E731
+    return {"same_weights_steps": losses["steps"], "same_weights_losses_bitwise_equal": same("losses"),
+            "same_weights_lrs_bitwise_equal": same("lrs"), "same_weights_grad_norms_bitwise_equal": same("grad_norms"),
+            "same_weights_loss_max_abs_difference": losses["max_abs_difference"],
+            "losses_from_the_same_weights": losses}

@@ -30,10 +30,13 @@ from trainer.config import ConfigError, load_config
 
 GiB = 2**30
 
-# Rough seconds of simulation per transformer block (forward + backward) on a shared 2-core machine, with
-# and without tensor parallel (DTensor dispatch is slower), and per role (process start, build, optimizer
-# step); measured on the presets, see docs/performance.md.
-SECONDS_PER_BLOCK = {"tp": 1.0, "no_tp": 0.6}
+# Rough seconds of simulation on a shared 2-core machine, with and without tensor parallel (DTensor dispatch
+# is slower): per transformer block and micro-batch (forward + backward), per layer once (FSDP's lazy
+# initialisation at the first forward, and the first clip and optimizer step working out the sharding of
+# every parameter's ops: 18 s and 100 s of the 70B preset's 230 s at 256 ranks), and per role (process
+# start, build). The TP figures were measured on that run; no_tp is scaled by the blocks' ratio.
+SECONDS_PER_BLOCK = {"tp": 1.25, "no_tp": 0.6}
+SECONDS_PER_LAYER_ONCE = {"tp": 1.5, "no_tp": 0.7}
 SECONDS_PER_ROLE = 8.0
 PATIENCE_S = 60  # beyond this a user is told how long it will take and how to make it shorter
 
@@ -46,7 +49,9 @@ PATIENCE_S = 60  # beyond this a user is told how long it will take and how to m
 class ProgressBar:
     """One bar per rank role on stderr: block forwards and backwards done (a backward weighs as two
     forwards), the phase, elapsed and remaining time. On a terminal it redraws one line; otherwise it
-    prints a line every tenth and at phase changes."""
+    prints a line every tenth and at phase changes. The time left comes from the pace since the first
+    block finished (building the rank and the first block's one-off set-up would inflate it many times
+    over) and is shown while blocks run; the optimizer's step after them is not counted."""
 
     WEIGHT = {"forward": 1, "backward": 2}
 
@@ -58,25 +63,35 @@ class ProgressBar:
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.last_tenth = -1
         self.phase = "build"
+        self.first: tuple[float, int] | None = None  # (time, units) when the first block was done
 
     def tick(self, phase: str) -> None:
         self.done[phase] += 1
+        if self.first is None:
+            self.first = (time.perf_counter(), self._units())
         self.set_phase(phase)
+
+    def _units(self) -> int:
+        return sum(self.WEIGHT[k] * n for k, n in self.done.items())
 
     def set_phase(self, phase: str) -> None:
         changed, self.phase = phase != self.phase, phase
         self.render(force=changed)
 
     def render(self, final: bool = False, force: bool = False) -> None:
-        units = sum(self.WEIGHT[k] * n for k, n in self.done.items())
+        units = self._units()
         frac = min(1.0, units / (3 * self.blocks))
-        elapsed = time.perf_counter() - self.t0
-        left = elapsed / frac - elapsed if frac > 0 else 0.0
+        now = time.perf_counter()
+        elapsed = now - self.t0
+        left = None
+        if self.first is not None and units > self.first[1] and self.phase in self.WEIGHT and not final:
+            pace = (now - self.first[0]) / (units - self.first[1])
+            left = pace * max(0, 3 * self.blocks - units)
         filled = int(frac * self.width)
         bar = "#" * filled + "." * (self.width - filled)
         text = (f"  {self.label:<14} [{bar}] forward {self.done['forward']}/{self.blocks}, backward "
                 f"{self.done['backward']}/{self.blocks} blocks, {self.phase:<9} {elapsed:5.0f} s"
-                + ("" if final or frac == 0 else f", ~{left:.0f} s left"))
+                + ("" if left is None else f", ~{left:.0f} s left"))
         if self.tty:
             self.stream.write("\r" + text + ("\n" if final else ""))
             self.stream.flush()
@@ -94,11 +109,12 @@ class ProgressBar:
 def estimate_seconds(args, layout, roles: int) -> float:
     from trainer.tools.simulate.analytic import stage_of
 
-    per_block = SECONDS_PER_BLOCK["tp" if layout.dims.tp > 1 else "no_tp"]
+    kind = "tp" if layout.dims.tp > 1 else "no_tp"
     plan = layout.stage_plan
     stages = plan.modules if plan else [None]
     layers = max(stage_of(args.n_layers, modules).layers for modules in stages)
-    return roles * (SECONDS_PER_ROLE + per_block * layers * layout.microbatches)
+    return roles * (SECONDS_PER_ROLE + layers * (SECONDS_PER_LAYER_ONCE[kind]
+                                                 + SECONDS_PER_BLOCK[kind] * layout.microbatches))
 
 
 def simulate_role(config, args, layout, world_size: int, rank: int, label: str, quiet: bool) -> dict:

@@ -1,0 +1,164 @@
+"""[fault_tolerance]: replica groups over torchft, with a real lighthouse (`trainer lighthouse`) and each group
+launched as users do (run_train.sh with its fault_tolerance.replica_id), on CPU over gloo. Each test costs
+two launches, so there are few: groups of 2 processes (FSDP inside each group) throughout.
+
+- Without a fault, two groups train as one job: their losses are plain HSDP's on the same global batch
+  and their final weights are bitwise equal.
+- kill -9 of group 1 mid-run: group 0 keeps stepping while it is down; group 1 started again takes the live
+  group's state (torchft's recovery, not a checkpoint) and both finish with bitwise-equal weights.
+- DiLoCo: the groups step on their own and synchronise every sync_steps steps.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.batches import spec
+from tests.support.launch import start_train
+from tests.support.parity import STEPS, relative_diffs
+from tests.support.processes import free_port, kill_tree, popen, wait_for
+
+pytest.importorskip("torchft")
+
+pytestmark = pytest.mark.slow
+
+# Plain HSDP, 2 replicas x 2 FSDP ranks (the same run as tests/distributed/test_parallel.py's layout_hsdp2x2).
+HSDP = spec("layout_hsdp2x2", 4, *STEPS, "--training.local_batch_size", "2",
+            "--parallelism.data_parallel_replicate_degree", "2")
+
+
+def lighthouse(folder: Path, min_replicas: int) -> tuple[subprocess.Popen, str]:
+    """`trainer lighthouse` on a free port; returns it and its address (TORCHFT_LIGHTHOUSE)."""
+    port = free_port()
+    log = folder / f"lighthouse_{port}.log"
+    with open(log, "w") as out:
+        proc = popen([sys.executable, "-m", "trainer.cli", "lighthouse", "--port", str(port), "--min_replicas",
+                      str(min_replicas), "--heartbeat_timeout_ms", "1000", "--join_timeout_ms", "2000"],
+                     stdout=out, stderr=subprocess.STDOUT)
+
+    def listening() -> bool:
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    wait_for(listening, "the lighthouse to listen", timeout=60, proc=proc, log=log)
+    assert log.read_text().startswith("export TORCHFT_LIGHTHOUSE=http://")
+    return proc, f"http://localhost:{port}"
+
+
+def start_group(dump: Path, replica_id: int, address: str, *args: str, nproc: int = 1) -> subprocess.Popen:
+    return start_train(dump, "--fault_tolerance.enable", "--fault_tolerance.group_size", "2",
+                       "--fault_tolerance.replica_id", str(replica_id), *args, nproc=nproc,
+                       env={"TORCHFT_LIGHTHOUSE": address}, log=dump.parent / f"group{replica_id}.log")
+
+
+def records(dump: Path, replica_id: int) -> list[dict]:
+    path = dump / f"replica_{replica_id}" / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+
+
+def last_step(dump: Path, replica_id: int) -> int:
+    return max((r["step"] for r in records(dump, replica_id)), default=0)
+
+
+def summary(dump: Path, replica_id: int) -> dict:
+    return json.loads((dump / f"replica_{replica_id}" / "summary.json").read_text())
+
+
+def finish(procs: list[subprocess.Popen], dump: Path, timeout: float = 600) -> None:
+    for r, proc in enumerate(procs):
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        log = (dump.parent / f"group{r}.log").read_text(errors="replace")[-5000:]
+        assert rc == 0, f"group {r} ended with {rc}:\n{log}"
+
+
+@pytest.mark.runs(HSDP)
+def test_two_groups_without_a_fault_train_as_plain_hsdp(tmp_path, batches):
+    """2 groups of 2 processes (FSDP inside each group) against plain HSDP 2 x 2 on the same global batch."""
+    lh, address = lighthouse(tmp_path, min_replicas=2)  # both groups in every quorum, from the first step
+    dump = tmp_path / "job"
+    try:
+        procs = [start_group(dump, r, address, *STEPS, "--training.local_batch_size", "2", nproc=2) for r in (0, 1)]
+        finish(procs, dump)
+    finally:
+        kill_tree(lh)
+    by_group = [{r["step"]: r for r in records(dump, g)} for g in (0, 1)]
+    assert [r["replica_groups"] for r in by_group[0].values()] == [2] * 5
+    assert {s: r["loss"] for s, r in by_group[0].items()} == {s: r["loss"] for s, r in by_group[1].items()}
+    diffs = relative_diffs({s: r["loss"] for s, r in by_group[0].items()}, batches.get(HSDP).losses())
+    assert max(diffs) <= 1e-5, diffs
+    s0, s1 = summary(dump, 0), summary(dump, 1)
+    assert s0["weights_sha256"] == s1["weights_sha256"] is not None
+    assert s0["fault_tolerance"]["faults_survived"] == 0 and s0["fault_tolerance"]["recoveries"] == []
+    assert s0["tokens_seen"] == batches.get(HSDP).records()[5]["tokens_seen"]
+
+
+def test_a_killed_group_rejoins_from_a_live_group(tmp_path, nproc=2):
+    """2 groups of 2 processes (FSDP inside each: the live group sends its shards and optimizer state shard by
+    shard); groups of 1 process (plain tensors) take the same path with nproc=1. Each group saves its own
+    checkpoints: group 1 started again resumes from its step-5, then takes group 0's newer state."""
+    lh, address = lighthouse(tmp_path, min_replicas=1)
+    dump = tmp_path / "job"
+    args = ("--training.steps", "30", "--fault_tolerance.process_group_timeout_ms", "5000", "--checkpoint.enable",
+            "--checkpoint.interval", "5")
+    env_log = dump.parent / "group1.log"
+    try:
+        procs = [start_group(dump, r, address, *args, nproc=nproc) for r in (0, 1)]
+        wait_for(lambda: any(r["replica_groups"] == 2 for r in records(dump, 0) if r["step"] >= 6),
+                 "both groups stepping together", proc=procs[0], log=dump.parent / "group0.log")
+        kill_tree(procs[1])  # kill -9 of the whole group: launcher and worker
+        at_kill = last_step(dump, 0)
+        wait_for(lambda: last_step(dump, 0) >= at_kill + 3, "group 0 stepping while group 1 is down",
+                 proc=procs[0], log=dump.parent / "group0.log")
+        alone = [r for r in records(dump, 0) if r["step"] > at_kill]
+        assert all(r["replica_groups"] == 1 for r in alone[1:]), alone
+        # Group 0 waits (stopped) while group 1 starts again, so that it cannot finish first on a busy machine;
+        # it goes on before group 1 asks for its first quorum.
+        kill_tree(procs[0], signal.SIGSTOP)
+        stopped_at = last_step(dump, 0)
+        try:
+            procs[1] = start_group(dump, 1, address, *args, nproc=nproc)
+            wait_for(lambda: env_log.exists() and "fault tolerance: replica group 1 of 2" in env_log.read_text(),
+                     "group 1 starting again", proc=procs[1], log=env_log)
+        finally:
+            kill_tree(procs[0], signal.SIGCONT)
+        finish(procs, dump)
+    finally:
+        kill_tree(lh)
+    s0, s1 = summary(dump, 0), summary(dump, 1)
+    assert s0["status"] == s1["status"] == "completed"
+    assert s0["weights_sha256"] == s1["weights_sha256"] is not None
+    assert s0["fault_tolerance"]["faults_survived"] >= 1
+    assert (dump / "replica_1" / "checkpoint" / "step-5").is_dir()
+    (recovery,) = s1["fault_tolerance"]["recoveries"]  # from the live group, at its step, not from step-5
+    assert recovery["from_step"] == 5 and recovery["step"] > stopped_at
+    assert s1["fault_tolerance"]["steps_missed"] == recovery["step"] - 1 - 5
+    assert s1["start_step"] == 5 and recovery["step"] in {r["step"] for r in records(dump, 1)}
+
+
+def test_diloco_groups_synchronise_every_sync_steps(tmp_path):
+    """torchft's DiLoCo (the method of torchtitan's llama3_ft preset); LocalSGD is the same hook with a plain
+    average. One fragment, so that every parameter is synchronised at step 8, the last."""
+    lh, address = lighthouse(tmp_path, min_replicas=2)
+    dump = tmp_path / "job"
+    try:
+        procs = [start_group(dump, r, address, "--training.steps", "8", "--fault_tolerance.semi_sync_method",
+                             "diloco", "--fault_tolerance.sync_steps", "4") for r in (0, 1)]
+        finish(procs, dump)
+    finally:
+        kill_tree(lh)
+    by_group = [{r["step"]: r for r in records(dump, g)} for g in (0, 1)]
+    assert all(by_group[g][8]["replica_groups"] == 2 for g in (0, 1))
+    assert by_group[0][8]["loss"] != by_group[1][8]["loss"]  # each group steps on its own part of the data
+    assert summary(dump, 0)["weights_sha256"] == summary(dump, 1)["weights_sha256"]

@@ -1,0 +1,120 @@
+"""[fault_tolerance] without processes: its rules (one line each), what it changes for the data and the
+output folders, the run lock shared by a job's replica groups, that a job without it never imports torchft,
+and DiLoCo's model fragments. The runs themselves are in tests/distributed/test_fault_tolerance.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.launch import DEBUG_CONFIG, ROOT
+from trainer.config import ConfigError, load_config, validate
+from trainer.fault_tolerance import config as ft_config
+from trainer.fault_tolerance.config import data_parallel, job_identity, use_replica_folder
+from trainer.runlock import RunLock, RunLockedError
+
+ENABLED = ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2", "--fault_tolerance.replica_id", "1"]
+
+
+def config(*args: str):
+    return load_config(["--job.config_file", str(DEBUG_CONFIG), *args], env={})
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--fault_tolerance.group_size", "0"], "group_size must be the number of replica groups"),
+    (["--fault_tolerance.replica_id", "2"], r"replica_id must be in 0 \.\. group_size - 1 \(1\), got 2"),
+    (["--fault_tolerance.min_replica_size", "3"], r"min_replica_size \(3\) must be <= group_size \(2\)"),
+    (["--fault_tolerance.process_group", "mpi"], "process_group must be one of gloo, nccl"),
+    (["--fault_tolerance.semi_sync_method", "easgd"], "semi_sync_method must be unset"),
+    (["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "5",
+      "--fault_tolerance.num_fragments", "2"], r"sync_steps \(5\) must be a multiple of the number of model"),
+    (["--fault_tolerance.sync_steps", "4", "--fault_tolerance.fragment_sync_delay", "4"],
+     "fragment_sync_delay must be >= 0 and < sync_steps"),
+    (["--fault_tolerance.fragment_update_alpha", "1.5"], r"fragment_update_alpha must be in \[0, 1\]"),
+    (["--parallelism.data_parallel_replicate_degree", "2"], "the replica groups are the replicas"),
+    (["--parallelism.pipeline_parallel_degree", "2"], "pipeline_parallel_degree > 1 is not supported"),
+])
+def test_unsupported_combinations_are_refused_in_one_line(args, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        validate(config(*ENABLED, *args), 2)
+    assert "\n" not in str(e.value)
+
+
+def test_the_lighthouse_address_is_checked_before_launch(monkeypatch):
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    with pytest.raises(ConfigError, match="needs the lighthouse's address in TORCHFT_LIGHTHOUSE: start one with "
+                                          "`trainer lighthouse`"):
+        validate(config(*ENABLED), 2)
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://head:29510")
+    validate(config(*ENABLED), 2)
+
+
+def test_disabled_section_checks_nothing_and_imports_no_torchft():
+    validate(config("--fault_tolerance.group_size", "0", "--fault_tolerance.process_group", "nccl"), 1)
+    code = ("import sys; from trainer.train import Trainer; from trainer.config import load_config, validate; "
+            f"validate(load_config(['--job.config_file', {str(DEBUG_CONFIG)!r}], env={{}}), 1); "
+            "assert 'torchft' not in sys.modules, 'torchft imported'")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_missing_torchft_is_one_line_naming_the_install(monkeypatch):
+    monkeypatch.setattr(ft_config, "torchft_installed", lambda: False)
+    with pytest.raises(ConfigError, match=r"needs torchft, which is not installed: pip install torchft"):
+        validate(config(*ENABLED), 1)
+
+
+def test_each_group_reads_its_own_part_of_the_stream():
+    ft = config(*ENABLED).fault_tolerance
+    # Group 1 of 2 with 4 ranks per group: the ranks HSDP's replica 1 would have (4..7 of 8).
+    assert [data_parallel(ft, 4, r) for r in range(4)] == [(8, 4), (8, 5), (8, 6), (8, 7)]
+    assert data_parallel(config().fault_tolerance, 4, 3) == (4, 3)
+
+
+def test_each_group_writes_under_its_replica_folder(tmp_path):
+    c = config(*ENABLED, "--job.dump_folder", str(tmp_path))
+    use_replica_folder(c)
+    assert c.job.dump_folder == str(tmp_path / "replica_1")
+    plain = config("--job.dump_folder", str(tmp_path))
+    use_replica_folder(plain)
+    assert plain.job.dump_folder == str(tmp_path)
+
+
+def test_the_groups_of_one_job_share_the_dump_folder_lock(tmp_path):
+    env = {"TORCHFT_LIGHTHOUSE": "http://head:29510"}
+    name = job_identity(config(*ENABLED), env)
+    assert name == "torchft@http://head:29510" and job_identity(config(), env) is None
+    first = RunLock(tmp_path, 300, job=name).acquire()
+    try:
+        assert RunLock(tmp_path, 300, job=name).acquire().joined  # another replica group of the job
+        with pytest.raises(RunLockedError, match="in use by another run"):  # a job with another lighthouse
+            RunLock(tmp_path, 300, job=job_identity(config(*ENABLED), {"TORCHFT_LIGHTHOUSE": "http://x:1"})).acquire()
+        with pytest.raises(RunLockedError):
+            RunLock(tmp_path, 300).acquire()  # a plain run
+    finally:
+        first.release()
+
+
+def test_diloco_fragments_cover_the_model_once():
+    pytest.importorskip("torchft")
+    import torch
+
+    from trainer.fault_tolerance.replicas import model_fragments
+    from trainer.models.llama.model import Transformer
+    from trainer.models.config import resolve_model_args
+
+    c = config(*ENABLED, "--fault_tolerance.num_fragments", "2")
+    with torch.device("meta"):
+        model = Transformer(resolve_model_args(c, 2048))
+    fragments = model_fragments(model, c.fault_tolerance)
+    ids = [id(p) for f in fragments for p in f.parameters()]
+    assert len(fragments) == 2 and sorted(ids) == sorted(id(p) for p in model.parameters())
+    named = config(*ENABLED, "--fault_tolerance.module_fqns_per_model_fragment",
+                   '[["tok_embeddings", "layers.0"], ["layers.1", "layers.2", "layers.3", "layers.4", "layers.5", '
+                   '"norm", "output"]]').fault_tolerance
+    assert [len(list(f.children())) for f in model_fragments(model, named)] == [2, 7]
+    partial = config(*ENABLED, "--fault_tolerance.module_fqns_per_model_fragment",
+                     '[["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]').fault_tolerance
+    with pytest.raises(ConfigError, match="leaves out layers.2.attention"):
+        model_fragments(model, partial)

@@ -1,0 +1,45 @@
+"""Ctrl-C during start-up (while torch is imported, seconds on a loaded node): one line, no traceback, and
+the process ends by SIGINT (the shell's exit 130). The interrupt is made deterministic by a stand-in torch
+package whose import raises KeyboardInterrupt, as a Ctrl-C there does."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.processes import run
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def interrupted_torch(tmp_path):
+    fake = tmp_path / "fake" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise KeyboardInterrupt\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "fake"), str(ROOT)])
+    return env
+
+
+@pytest.mark.parametrize("command", [
+    [sys.executable, "-m", "trainer.launch", "--standalone", "--nproc-per-node", "1", "-m", "trainer.train"],
+    [sys.executable, "-m", "trainer.train", "--job.dry_run"],
+    [sys.executable, "-m", "trainer.cli", "eval", "--help"],
+], ids=["launcher", "worker", "trainer-command"])
+def test_ctrl_c_while_importing_torch_is_one_line_and_sigint(command, interrupted_torch, tmp_path):
+    proc = run(command, env=interrupted_torch, cwd=tmp_path, timeout=120)
+    assert proc.returncode == -signal.SIGINT, (proc.returncode, proc.stderr)  # a shell reports 130
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("interrupted (Ctrl-C)"), proc.stderr
+
+
+def test_a_torchrun_worker_leaves_the_report_to_its_launcher(interrupted_torch, tmp_path):
+    proc = run([sys.executable, "-m", "trainer.train"], env={**interrupted_torch, "LOCAL_RANK": "0"},
+               cwd=tmp_path, timeout=120)
+    assert proc.returncode == -signal.SIGINT and proc.stderr.strip() == "", proc.stderr
