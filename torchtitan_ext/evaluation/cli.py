@@ -194,18 +194,31 @@ def _refuse(args) -> None:
                       "(--config here is a run's config.toml)")
 
 
-def _build_lm(model: str, model_args: dict, args):
+def _device(args) -> str:
+    """The device to evaluate on: --device, else CUDA when present; under torchrun each process takes the
+    GPU of its LOCAL_RANK. --device cuda on a machine without CUDA is refused."""
+    import os
+
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    extra = {"batch_size": args.batch_size, "max_batch_size": args.max_batch_size, "device": device}
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: this machine has no CUDA device (torch {torch.__version__}); "
+                         "use --device cpu")
+    if device == "cuda" and "LOCAL_RANK" in os.environ:
+        device = f"cuda:{os.environ['LOCAL_RANK']}"
+    return device
+
+
+def _build_lm(model: str, model_args: dict, args, layout=None):
+    extra = {"batch_size": args.batch_size, "max_batch_size": args.max_batch_size, "device": _device(args)}
     if model == "hf":
         from lm_eval.models.huggingface import HFLM
 
         return HFLM.create_from_arg_obj(dict(model_args), extra)
     from torchtitan_ext.evaluation.lm import NativeLM
 
-    return NativeLM.create_from_arg_obj(dict(model_args), extra)
+    return NativeLM.create_from_arg_obj(dict(model_args, layout=layout), extra)
 
 
 def _run(lm, model: str, model_args: dict, args, tasks: list[str]):
@@ -223,7 +236,8 @@ def _run(lm, model: str, model_args: dict, args, tasks: list[str]):
         apply_chat_template=args.apply_chat_template or None, fewshot_as_multiturn=args.fewshot_as_multiturn,
         verbosity=args.verbosity, predict_only=args.predict_only or None,
         confirm_run_unsafe_code=args.confirm_run_unsafe_code or None,
-        metadata=_key_values(args.metadata) if args.metadata else None, model_args=model_args)
+        metadata=_key_values(args.metadata) if args.metadata else None, model_args=model_args,
+        device=_device(args))
     from lm_eval import simple_evaluate
 
     accepted = inspect.signature(simple_evaluate).parameters
@@ -233,7 +247,7 @@ def _run(lm, model: str, model_args: dict, args, tasks: list[str]):
     options = {k: v for k, v in options.items() if v is not None}
     results = evaluate(lm, tasks, include_path=args.include_path, limit=limit, num_fewshot=args.num_fewshot,
                        batch_size=args.batch_size, seed=args.seed, log_samples=args.log_samples,
-                       gen_kwargs=",".join(args.gen_kwargs) if args.gen_kwargs else None,
+                       gen_kwargs=_key_values(args.gen_kwargs or []),
                        bootstrap_iters=args.bootstrap_iters, **options)
     return results, tracker
 
@@ -283,7 +297,8 @@ def _report(results: dict, model: str, model_args: dict, args, seconds: float) -
     if args.show_config:
         print(json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False))
     sizes = ",".join(map(str, results.get("config", {}).get("batch_sizes", [])))
-    print(f"{model} ({model_args}), gen_kwargs: ({args.gen_kwargs}), limit: {args.limit}, num_fewshot: "
+    gen_kwargs = _key_values(args.gen_kwargs or [])
+    print(f"{model} ({model_args}), gen_kwargs: ({gen_kwargs}), limit: {args.limit}, num_fewshot: "
           f"{args.num_fewshot}, batch_size: {args.batch_size}{f' ({sizes})' if sizes else ''}")
     print(make_table(results))
     if "groups" in results:
@@ -291,7 +306,46 @@ def _report(results: dict, model: str, model_args: dict, args, seconds: float) -
     logger.info("lm-eval finished in %.1f s", seconds)
 
 
+def _launch(ngpu: int, argv: list[str]) -> int:
+    """``NGPU=N trainer eval ...``: the same command in N processes under torchrun (one node)."""
+    import os
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ngpu),
+           "-m", "torchtitan_ext.lm_eval_model", *argv]
+    env = {"LOGLEVEL": "WARNING", **os.environ}
+    logger.info("trainer eval: %d processes (NGPU=%d) under torchrun", ngpu, ngpu)
+    return subprocess.run(cmd, env=env).returncode
+
+
+def _layout():
+    """Under torchrun (WORLD_SIZE > 1): the process group, and this process's share of the requests (the
+    model is loaded whole on every process; the answers are gathered to every rank, rank 0 writes)."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    import torch.distributed as dist
+
+    from torchtitan_ext.evaluation.lm import EvalLayout
+    from trainer.setup import init_device, init_process_group
+
+    init_process_group(init_device(), timeout_s=1800)
+    return EvalLayout(dp_rank=dist.get_rank(), dp_size=dist.get_world_size(), group=dist.group.WORLD)
+
+
+def _ngpu() -> int:
+    import os
+
+    value = os.environ.get("NGPU", "1") or "1"
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"NGPU={value}: give the number of processes, a positive integer")
+    return int(value)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import os
+
     from trainer import logs
     from trainer.errors import CheckpointError
 
@@ -305,27 +359,36 @@ def main(argv: list[str] | None = None) -> int:
     logs.setup()
     try:
         import lm_eval  # noqa: F401
+        from lm_eval.utils import setup_logging
     except ImportError:
         from torchtitan_ext.evaluation.lm import INSTALL_HINT
 
         print(INSTALL_HINT, file=sys.stderr)
         return 2
+    setup_logging(args.verbosity or "INFO")  # lm_eval's console logging (--write_out prints through it)
     tasks = [t.strip() for item in (args.tasks or []) for t in item.split(",") if t.strip()]
+    rank = int(os.environ.get("RANK", "0"))
     t0 = time.perf_counter()
     try:
         if not tasks:
             raise ValueError("--tasks is required (lm-eval task or group names)")
         _refuse(args)
         model, model_args = _model_and_args(args)
-        lm = _build_lm(model, model_args, args)
+        _device(args)
+        ngpu = _ngpu()
+        if ngpu > 1 and "WORLD_SIZE" not in os.environ:
+            return _launch(ngpu, argv)
+        lm = _build_lm(model, model_args, args, layout=_layout() if model == "trainer" else None)
         results, tracker = _run(lm, model, model_args, args, tasks)
     except CheckpointError as e:  # a damaged checkpoint: nothing was evaluated
-        print(f"trainer eval: {e}", file=sys.stderr)
+        if rank == 0:
+            print(f"trainer eval: {e}", file=sys.stderr)
         return e.exit_code
     except (FileNotFoundError, ValueError, KeyError, TypeError) as e:
-        print(f"trainer eval: {e}", file=sys.stderr)
+        if rank == 0:
+            print(f"trainer eval: {e}", file=sys.stderr)
         return 2
-    if results is None:  # non-zero ranks under lm-eval's own distribution
+    if results is None or rank != 0:  # ranks other than 0 under torchrun
         return 0
     for key, value in _tokenizer_info(lm).items():
         results.setdefault(key, value)
