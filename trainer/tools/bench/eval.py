@@ -89,4 +89,5 @@ def bench_eval(args, overrides: list[str], workdir: str) -> dict[str, Any]:
     one, two = statistics.median(times[1]), statistics.median(times[2])
     return {"eval_requests": f"{docs} passages of ~{chars} characters (bits per byte), max_length {seq_len}",
             "eval_s_1_process": one, "eval_s_2_processes": two, "eval_ratio_2_over_1": two / one,
-            "eval_repeats": repeats, "same_scores": scores[1] == scores[2] and len(scores[1]) == 1}
+            "eval_repeats": repeats,
+            "same_scores": "yes" if scores[1] == scores[2] and len(scores[1]) == 1 else f"NO: {scores}"}
