@@ -307,15 +307,28 @@ def _report(results: dict, model: str, model_args: dict, args, seconds: float) -
 
 
 def _launch(ngpu: int, argv: list[str]) -> int:
-    """``NGPU=N trainer eval ...``: the same command in N processes under torchrun (one node)."""
+    """``NGPU=N trainer eval ...``: the same command in N processes under torchrun (one node). A process that
+    fails on a user's mistake has printed its one line (rank 0); torchrun's report is not shown, and its exit
+    code is that process's."""
     import os
-    import subprocess
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ngpu),
-           "-m", "torchtitan_ext.lm_eval_model", *argv]
-    env = {"LOGLEVEL": "WARNING", **os.environ}
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
     logger.info("trainer eval: %d processes (NGPU=%d) under torchrun", ngpu, ngpu)
-    return subprocess.run(cmd, env=env).returncode
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it; said here so it is not a warning
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        run(parse_args(["--standalone", "--nproc_per_node", str(ngpu), "-m", "torchtitan_ext.lm_eval_model",
+                        *argv]))
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
+        if code not in (2, 3):  # not a mistake rank 0 has already named
+            print(f"trainer eval: process {rank} failed (exit {code}); the cause is on its console above",
+                  file=sys.stderr)
+        return code
+    return 0
 
 
 def _layout():
@@ -364,6 +377,10 @@ def main(argv: list[str] | None = None) -> int:
         from torchtitan_ext.evaluation.lm import INSTALL_HINT
 
         print(INSTALL_HINT, file=sys.stderr)
+        return 2
+    if args.verbosity is not None and not isinstance(logging.getLevelName(args.verbosity), int):
+        print(f"trainer eval: --verbosity {args.verbosity}: not a log level (DEBUG, INFO, WARNING, ERROR, "
+              "CRITICAL)", file=sys.stderr)
         return 2
     setup_logging(args.verbosity or "INFO")  # lm_eval's console logging (--write_out prints through it)
     tasks = [t.strip() for item in (args.tasks or []) for t in item.split(",") if t.strip()]
