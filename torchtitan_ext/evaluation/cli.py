@@ -9,6 +9,9 @@ A user's ``lm_eval`` command works after changing the program name and the model
 Arguments, short flags and defaults are lm-eval's (0.4.x ``lm_eval run``); ``--output_path DIR`` writes
 lm-eval's layout (``DIR/<model>/results_<time>.json``, ``samples_<task>_<time>.jsonl``). What this command
 cannot do is refused in one line (exit 2); docs/export_eval.md has the table.
+
+``NGPU=N trainer eval ...`` (or the command under torchrun) splits the native model's requests over N
+processes, each holding the whole model; rank 0 prints and writes the results.
 """
 
 from __future__ import annotations

@@ -10,6 +10,11 @@ tokenizer/policy.py), which is what the exported tokenizer does too (lm-eval's H
 ``max_length`` defaults to the flavor's context length (the export's ``max_position_embeddings``), so a
 native checkpoint and its export get the same scores.
 
+Over several ranks (``trainer eval`` under torchrun, ``[eval]`` on a sharded model) the data-parallel ranks
+split the requests and gather the answers back in lm-eval's order (:class:`EvalLayout`); under tensor
+parallel the vocabulary-sharded logits are gathered, under pipeline parallel the training's schedule runs
+forward-only passes (:class:`PipelineEval`).
+
 Usage (the argument names are lm-eval's)::
 
     trainer eval --model_args checkpoint=outputs/run --tasks hellaswag,arc_easy --limit 100 --batch_size auto \
