@@ -251,7 +251,7 @@ def _run(lm, model: str, model_args: dict, args, tasks: list[str]):
     results = evaluate(lm, tasks, include_path=args.include_path, limit=limit, num_fewshot=args.num_fewshot,
                        batch_size=args.batch_size, seed=args.seed, log_samples=args.log_samples,
                        gen_kwargs=_key_values(args.gen_kwargs or []),
-                       bootstrap_iters=args.bootstrap_iters, **options)
+                       bootstrap_iters=args.bootstrap_iters if _rank() == 0 else 0, **options)
     return results, tracker
 
 
@@ -350,6 +350,14 @@ def _layout():
     return EvalLayout(dp_rank=dist.get_rank(), dp_size=dist.get_world_size(), group=dist.group.WORLD)
 
 
+def _rank() -> int:
+    """This process's rank under torchrun (0 alone): only rank 0's results are written, so the others skip
+    lm-eval's bootstrapped standard errors."""
+    import os
+
+    return int(os.environ.get("RANK", "0"))
+
+
 def _ngpu() -> int:
     import os
 
@@ -387,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     setup_logging(args.verbosity or "INFO")  # lm_eval's console logging (--write_out prints through it)
     tasks = [t.strip() for item in (args.tasks or []) for t in item.split(",") if t.strip()]
-    rank = int(os.environ.get("RANK", "0"))
+    rank = _rank()
     t0 = time.perf_counter()
     try:
         if not tasks:

@@ -53,11 +53,12 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float) -> None:
                            f"{proc.stderr[-3000:]}")
 
 
-def _evaluate(nproc: int, checkpoint: Path, tasks: Path, out: Path, batch: int, env: dict[str, str]) -> tuple:
+def _evaluate(nproc: int, checkpoint: Path, tasks: Path, out: Path, batch: int, max_length: str,
+              env: dict[str, str]) -> tuple:
     """(evaluation seconds, bits per byte) of one ``NGPU=nproc trainer eval`` run."""
     _run([sys.executable, "-m", "trainer.cli", "eval", "--model_args", f"checkpoint={checkpoint}",
           "--tasks", "bench_ppl", "--include_path", str(tasks), "--batch_size", str(batch), "--device", "cpu",
-          "--output_path", str(out)], {**env, "NGPU": str(nproc)}, timeout=1800)
+          "--max_length", max_length, "--output_path", str(out)], {**env, "NGPU": str(nproc)}, timeout=1800)
     [path] = list(out.rglob("results_*.json"))
     results = json.loads(path.read_text())
     return float(results["total_evaluation_time_seconds"]), results["results"]["bench_ppl"]["bits_per_byte,none"]
@@ -83,7 +84,7 @@ def bench_eval(args, overrides: list[str], workdir: str) -> dict[str, Any]:
     scores: dict[int, set] = {1: set(), 2: set()}
     for r in range(repeats):
         for n in ((1, 2) if r % 2 == 0 else (2, 1)):
-            seconds, bpb = _evaluate(n, dump, work / "tasks", work / f"out_{n}_{r}", batch, env)
+            seconds, bpb = _evaluate(n, dump, work / "tasks", work / f"out_{n}_{r}", batch, seq_len, env)
             times[n].append(seconds)
             scores[n].add(bpb)
     one, two = statistics.median(times[1]), statistics.median(times[2])
