@@ -248,11 +248,26 @@ def _run(lm, model: str, model_args: dict, args, tasks: list[str]):
     if missing:
         raise Refused(f"--{missing[0]}: this lm-eval version lacks it; upgrade lm-eval")
     options = {k: v for k, v in options.items() if v is not None}
+    cpu = time.process_time()
     results = evaluate(lm, tasks, include_path=args.include_path, limit=limit, num_fewshot=args.num_fewshot,
                        batch_size=args.batch_size, seed=args.seed, log_samples=args.log_samples,
                        gen_kwargs=_key_values(args.gen_kwargs or []),
                        bootstrap_iters=args.bootstrap_iters if _rank() == 0 else 0, **options)
+    cpu_seconds = _per_rank(time.process_time() - cpu, getattr(lm, "layout", None))
+    if results is not None:  # each process's CPU seconds in the evaluation (trainer bench eval reads them)
+        results["eval_cpu_seconds_per_process"] = cpu_seconds
     return results, tracker
+
+
+def _per_rank(value: float, layout) -> list[float]:
+    """``value`` of every process under torchrun (rank order), else ``[value]``."""
+    if layout is None or not layout.distributed:
+        return [value]
+    import torch.distributed as dist
+
+    values: list = [None] * dist.get_world_size(layout.group)
+    dist.all_gather_object(values, value, group=layout.group)
+    return values
 
 
 def _tokenizer_info(lm) -> dict[str, Any]:
