@@ -88,7 +88,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, te
             nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
             tokens[rows, cur] = nxt
             cur += 1
-            _record(nxt, done, out, eos_id, stop_fn)
+            record_new_tokens(nxt, done, out, eos_id, stop_fn)
             if bool(done.all()):
                 break
     finally:
@@ -97,7 +97,8 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, te
     return out
 
 
-def _record(nxt: torch.Tensor, done: torch.Tensor, out: list[list[int]], eos_id: int | None, stop_fn) -> None:
+def record_new_tokens(nxt: torch.Tensor, done: torch.Tensor, out: list[list[int]], eos_id: int | None,
+                      stop_fn) -> None:
     """Append each unfinished row's new token to ``out``; mark rows that hit EOS or ``stop_fn`` done."""
     for row in range(len(out)):
         if done[row]:

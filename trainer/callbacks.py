@@ -37,6 +37,10 @@ class RunView:
     pp_microbatches: int | None  # micro-batches per pipeline schedule step (None without pipelining)
     global_loss: Callable[[torch.Tensor], torch.Tensor]  # a rank's loss -> the mean over all ranks (collective)
     finish_checkpoints: Callable[[], None]  # wait until an in-flight asynchronous save has committed
+    pp_schedule: Any = None  # the pipeline schedule over model_parts (None without pipelining)
+    pp_has_first: bool = True  # this rank holds the first pipeline stage (always, without pipelining)
+    pp_has_last: bool = True  # this rank holds the last pipeline stage (always, without pipelining)
+    pp_group: Any = None  # the process group of this rank's pipeline (None without pipelining)
 
 
 class Callback:

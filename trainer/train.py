@@ -212,7 +212,8 @@ class Trainer:
             optimizer=self.optimizer, lr_schedule=self.lr_schedule, state=self.state, device=self.device,
             dims=self.dims, seed=self.seed, dp_rank=self.dp_rank, accum_steps=self.accum_steps,
             pp_microbatches=getattr(self.pp_schedule, "_n_microbatches", None), global_loss=self.global_loss,
-            finish_checkpoints=lambda: self.checkpointer.finish(),
+            finish_checkpoints=lambda: self.checkpointer.finish(), pp_schedule=self.pp_schedule,
+            pp_has_first=self.pp_has_first, pp_has_last=self.pp_has_last, pp_group=self.pp_group,
         )
 
     def observed_run(self) -> ObservedRun:

@@ -8,7 +8,7 @@ are batched: one torchrun start per world size (tests/support/batches.py).
 import pytest
 
 from tests.support.batches import spec
-from tests.support.parity import SINGLE, STEPS, relative_diffs
+from tests.support.parity import IN_TRAINING_EVAL, SINGLE, STEPS, relative_diffs
 
 # name: (processes, local batch size so that local x data-parallel degree = 8, extra args)
 LAYOUTS = {
@@ -22,8 +22,11 @@ LAYOUTS = {
     "fsdp2_ac_selective_every2": (2, 4, ["--activation_checkpoint.mode", "selective",
                                          "--activation_checkpoint.selective_ac_option", "2"]),
 }
+# These also evaluate at step 4 (tests/distributed/test_eval.py).
+EVALUATED = ("fsdp2", "hsdp2x2", "tp2")
 for _name, (_nproc, _batch, _extra) in LAYOUTS.items():
-    spec(f"layout_{_name}", _nproc, *STEPS, "--training.local_batch_size", str(_batch), *_extra)
+    spec(f"layout_{_name}", _nproc, *STEPS, "--training.local_batch_size", str(_batch), *_extra,
+         *(IN_TRAINING_EVAL if _name in EVALUATED else []))
 
 
 @pytest.mark.slow

@@ -6,8 +6,7 @@
   export scores exactly as ``trainer eval`` on the checkpoint, both given the same lm_eval command line
   (``--batch_size auto``, ``--seed 0,1234,1234,1234``, ``--log_samples``, ``--output_path``), both writing
   lm_eval's layout.
-- A 2-process FSDP run with ``[eval]`` every 5 steps logs the same scores as ``trainer eval`` on the step-5
-  checkpoint.
+- (``[eval]`` under FSDP, HSDP, TP and PP against ``trainer eval`` of the checkpoint: tests/distributed/test_eval.py.)
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 pytest.importorskip("lm_eval")
 transformers = pytest.importorskip("transformers")
 
-from tests.support.launch import ROOT, read_metrics, run_train  # noqa: E402
+from tests.support.launch import ROOT  # noqa: E402
 from tests.support.processes import popen  # noqa: E402
 from tests.support.models import fast_model  # noqa: E402
 from tokenizer.policy import files_rule, run_separator  # noqa: E402
@@ -192,6 +191,9 @@ def test_lm_eval_cli_on_export_equals_trainer_eval_on_checkpoint(exported):
     assert set(their_json["config"]) <= set(our_json["config"])
     assert our_json["config"]["model"] == "trainer" and their_json["config"]["model"] == "hf"
     assert our_json["config"]["random_seed"] == 0 and our_json["config"]["fewshot_seed"] == 1234
+    for key in ("device", "gen_kwargs"):  # as lm_eval writes them (batch_sizes: ours ran with auto)
+        assert our_json["config"][key] == their_json["config"][key], (key, our_json["config"][key])
+    assert our_json["config"]["batch_sizes"] == [8] and their_json["config"]["batch_sizes"] == []
 
 
 def test_eval_cli_refusals(capsys, tmp_path):
@@ -233,33 +235,7 @@ def test_eval_config_rules():
     with pytest.raises(ConfigError, match="eval.tasks is empty"):
         check("--eval.freq", "5", "--metrics.log_freq", "5")
     check("--eval.freq", "10", "--eval.tasks", "tiny_mc", "--metrics.log_freq", "5")
-
-
-@pytest.mark.slow  # two 2-process runs through run_train.sh
-def test_in_training_eval_under_fsdp_equals_trainer_eval_on_the_checkpoint(tmp_path):
-    dump = tmp_path / "run"
-    common = ["--training.steps", "10", "--training.local_batch_size", "2", "--metrics.log_freq", "5",
-              "--parallelism.data_parallel_shard_degree", "2"]
-    proc = run_train(dump, *common, "--eval.freq", "5", "--eval.tasks", TASKS, "--eval.include_path",
-                     str(TASKS_DIR), "--eval.limit", "6", "--checkpoint.enable", "--checkpoint.interval", "5",
-                     "--metrics.enable_tensorboard", "true", nproc=2)
-    records = {r["step"]: r for r in read_metrics(dump)}
-    assert set(records) == {1, 5, 10}  # step 1 is always logged
-    # The evaluation leaves the training as it was: the same losses as without it.
-    run_train(tmp_path / "plain", *common, nproc=2)
-    assert {r["step"]: r["loss"] for r in read_metrics(tmp_path / "plain")} == {s: r["loss"] for s, r in records.items()}
-    for step in (5, 10):
-        assert records[step]["eval_time_s"] > 0
-    live = {k: v for k, v in records[5].items() if k.startswith("eval/")}
-    assert {"eval/tiny_mc/acc", "eval/tiny_ppl/bits_per_byte", "eval/tiny_gen/exact_match"} <= live.keys()
-    assert "eval tiny_mc/acc" in proc.stdout + proc.stderr  # the console line
-    assert any(b"eval/tiny_ppl/bits_per_byte" in p.read_bytes() for p in (dump / "tb").rglob("*tfevents*"))
-    # trainer eval on step 5's checkpoint, cut to the model's RoPE table (training.seq_len) as in training.
-    out = tmp_path / "eval5"
-    assert eval_main(["--model_args", f"checkpoint={dump},step=5", "--max_length", "64", "--tasks", TASKS,
-                      "--include_path", str(TASKS_DIR), "--limit", "6", "--batch_size", "8",
-                      "--output_path", str(out)]) == 0
-    offline, _, _ = lm_eval_outputs(out)
-    assert offline.keys() == live.keys()
-    for key, value in offline.items():
-        assert abs(value - live[key]) <= 1e-5 * max(1.0, abs(value)), (key, value, live[key])
+    # Tensor and pipeline parallel are evaluated as they are sharded (tests/distributed/test_eval.py).
+    for layout in (["--parallelism.tensor_parallel_degree", "2"], ["--parallelism.pipeline_parallel_degree", "2"]):
+        validate(load_config(["--eval.freq", "5", "--eval.tasks", "tiny_mc", "--metrics.log_freq", "5", *layout],
+                             env={}), 2, files=False)

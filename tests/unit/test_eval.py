@@ -126,3 +126,65 @@ def test_registry_task_offline_without_its_data_is_one_line(run, capsys):
     line = [l for l in err if l.startswith("trainer eval:")]
     assert len(line) == 1 and "hellaswag" in line[0] and "--include_path" in line[0], err
     assert not any("Traceback" in l for l in err), err
+
+
+def test_requests_are_dealt_to_data_parallel_ranks_and_collective_forwards_stay_in_step(run):
+    from torchtitan_ext.evaluation.lm import EvalLayout
+
+    def share(rank, lockstep):
+        lm = NativeLM(model=run["model"], tokenizer=run["tok"], layout=EvalLayout(rank, 2, lockstep=lockstep))
+        return lm._my_batches(["a", "b", "c"])
+
+    assert share(0, False) == ["a", "c"] and share(1, False) == ["b"]  # replicated models: no filler
+    assert share(0, True) == ["a", "c"] and share(1, True) == ["b", None]  # a filler pass keeps FSDP in step
+
+
+def test_lockstep_path_scores_and_generates_as_the_plain_one(run):
+    """The path sharded models take (whole-sequence generation, widths padded for sequence parallel) gives
+    what the plain path (KV cache) gives, in one process."""
+    from torchtitan_ext.evaluation.lm import EvalLayout
+
+    plain = NativeLM(model=run["model"], tokenizer=run["tok"], batch_size=2)
+    lockstep = NativeLM(model=run["model"], tokenizer=run["tok"], batch_size=2,
+                        layout=EvalLayout(lockstep=True, pad_multiple=4))
+    gen = [_Req("Hello", {"until": ["e"], "max_gen_toks": 5}), _Req("First Citizen:", {"until": ["\n\n"],
+                                                                                       "max_gen_toks": 3}),
+           _Req("To be", {"until": ["\n"], "max_gen_toks": 4})]
+    assert lockstep.generate_until(gen, disable_tqdm=True) == plain.generate_until(gen, disable_tqdm=True)
+    reqs = [_Req("a b c", " d"), _Req("First Citizen:", " Before we proceed"), _Req("x", " y z w")]
+    for (a, ga), (b, gb) in zip(lockstep.loglikelihood(reqs, disable_tqdm=True),
+                                plain.loglikelihood(reqs, disable_tqdm=True)):
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(b)) and ga == gb
+
+
+def test_lm_eval_options_and_results_fields(run, tmp_path, capsys):
+    """--write_out prints the first prompt through lm-eval's logger, --verbosity sets its level, and the
+    results JSON records device, gen_kwargs and batch_sizes as lm_eval does."""
+    import logging
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    lm_logger = logging.getLogger("lm_eval")
+    lm_logger.addHandler(handler)
+    try:
+        assert eval_main(["--checkpoint", str(run["dump"]), "--tasks", "tiny_gen", "--include_path", str(TASKS_DIR),
+                          "--limit", "2", "--batch_size", "auto", "--max_batch_size", "4", "--device", "cpu",
+                          "--gen_kwargs", "max_gen_toks=3", "--write_out", "--verbosity", "DEBUG",
+                          "--output_path", str(tmp_path / "out.json")]) == 0
+        assert lm_logger.getEffectiveLevel() == logging.DEBUG
+    finally:
+        lm_logger.removeHandler(handler)
+        lm_logger.setLevel(logging.INFO)
+    assert any("context prompt" in r for r in records), records[:5]
+    config = json.loads((tmp_path / "out.json").read_text())["config"]
+    assert config["device"] == "cpu" and config["gen_kwargs"] == {"max_gen_toks": 3}
+    assert config["batch_sizes"] == [4] and config["batch_size"] == "auto"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_device_cuda_without_cuda_is_one_line(run, capsys):
+    assert eval_main(["--checkpoint", str(run["dump"]), "--tasks", "tiny_mc", "--include_path", str(TASKS_DIR),
+                      "--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no CUDA device" in err and "--device cpu" in err, err

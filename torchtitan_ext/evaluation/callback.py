@@ -1,9 +1,11 @@
 """``[eval]``: lm-eval tasks scored on the live model during training.
 
 Every ``eval.freq`` steps (on the log step, after the optimizer update, so the scores are those of that
-step's checkpoint), every rank runs the same lm-eval requests through its own copy of the model as it is:
-under FSDP the sharded model's forward gathers each layer's parameters as in training, so nothing is
-gathered to one rank and nothing is converted. Ranks get identical scores; the logging rank writes them.
+step's checkpoint), lm-eval builds the same requests on every rank and the data-parallel ranks split them:
+each scores its share of the batches through the model as it is (FSDP/HSDP gather each layer as in
+training, tensor parallel gathers the vocabulary-sharded logits, pipeline stages run the schedule's
+forward-only path), and the answers are gathered back in lm-eval's order (lm.py, ``EvalLayout``). Nothing
+is converted or exported; every rank gets the scores one process would; the logging rank writes them.
 The random state of the training (python, numpy, torch) is saved before and restored after, and the model
 goes back to train mode.
 """
@@ -23,6 +25,7 @@ from trainer.callbacks import Callback
 
 if TYPE_CHECKING:
     from torchtitan_ext.config import ExtJobConfig
+    from torchtitan_ext.evaluation.lm import EvalLayout
 
 logger = logging.getLogger("trainer")
 
@@ -76,6 +79,25 @@ def flatten_results(results: dict | None) -> dict[str, float]:
     return out
 
 
+def eval_layout(run) -> EvalLayout:
+    """How this rank takes part in the in-training evaluation: its share of the requests by data-parallel
+    rank, the forward in lockstep with the other ranks (the model is sharded), widths padded for sequence
+    parallel, and the training's pipeline schedule when the model is split into stages."""
+    import torch.distributed as dist
+
+    from torchtitan_ext.evaluation.lm import EvalLayout, PipelineEval
+
+    dims = run.dims
+    pipeline = None
+    if run.pp_schedule is not None:
+        t = run.config.training
+        pipeline = PipelineEval(run.pp_schedule, has_first=run.pp_has_first, has_last=run.pp_has_last,
+                                pp_group=run.pp_group, rows=t.local_batch_size, width=t.seq_len)
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    return EvalLayout(dp_rank=run.dp_rank, dp_size=dims.dp, group=dist.group.WORLD if distributed else None,
+                      lockstep=distributed, pad_multiple=dims.tp, pipeline=pipeline)
+
+
 class LMEvalCallback(Callback):
     name = "eval"
 
@@ -89,20 +111,22 @@ class LMEvalCallback(Callback):
         from torchtitan_ext.evaluation.lm import NativeLM, evaluate
 
         cfg = self.cfg
-        model = run.model_parts[0]
-        was_training = model.training
+        parts = run.model_parts
+        was_training = [part.training for part in parts]
         t0 = time.perf_counter()
-        model.eval()
+        for part in parts:
+            part.eval()
         try:
-            lm = NativeLM(model=model, tokenizer=run.tokenizer, batch_size=cfg.batch_size,
-                          add_bos_token=run_separator(run.config, run.tokenizer).add_bos)
+            lm = NativeLM(model=parts[0], tokenizer=run.tokenizer, batch_size=cfg.batch_size,
+                          add_bos_token=run_separator(run.config, run.tokenizer).add_bos, layout=eval_layout(run))
             limit = None if cfg.limit is None else (int(cfg.limit) if cfg.limit >= 1 else cfg.limit)
             with _kept_random_state(), _every_rank_reports(), torch.no_grad():
                 results = evaluate(lm, list(cfg.tasks), include_path=cfg.include_path or None, limit=limit,
                                    num_fewshot=cfg.num_fewshot, batch_size=cfg.batch_size, seed=cfg.seed,
                                    bootstrap_iters=cfg.bootstrap_iters)
         finally:
-            model.train(was_training)
+            for part, mode in zip(parts, was_training):
+                part.train(mode)
         seconds = time.perf_counter() - t0
         out: dict[str, Any] = flatten_results(results)
         out["eval_time_s"] = round(seconds, 3)

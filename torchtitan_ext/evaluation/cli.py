@@ -9,6 +9,9 @@ A user's ``lm_eval`` command works after changing the program name and the model
 Arguments, short flags and defaults are lm-eval's (0.4.x ``lm_eval run``); ``--output_path DIR`` writes
 lm-eval's layout (``DIR/<model>/results_<time>.json``, ``samples_<task>_<time>.jsonl``). What this command
 cannot do is refused in one line (exit 2); docs/export_eval.md has the table.
+
+``NGPU=N trainer eval ...`` (or the command under torchrun) splits the native model's requests over N
+processes, each holding the whole model; rank 0 prints and writes the results.
 """
 
 from __future__ import annotations
@@ -194,18 +197,31 @@ def _refuse(args) -> None:
                       "(--config here is a run's config.toml)")
 
 
-def _build_lm(model: str, model_args: dict, args):
+def _device(args) -> str:
+    """The device to evaluate on: --device, else CUDA when present; under torchrun each process takes the
+    GPU of its LOCAL_RANK. --device cuda on a machine without CUDA is refused."""
+    import os
+
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    extra = {"batch_size": args.batch_size, "max_batch_size": args.max_batch_size, "device": device}
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: this machine has no CUDA device (torch {torch.__version__}); "
+                         "use --device cpu")
+    if device == "cuda" and "LOCAL_RANK" in os.environ:
+        device = f"cuda:{os.environ['LOCAL_RANK']}"
+    return device
+
+
+def _build_lm(model: str, model_args: dict, args, layout=None):
+    extra = {"batch_size": args.batch_size, "max_batch_size": args.max_batch_size, "device": _device(args)}
     if model == "hf":
         from lm_eval.models.huggingface import HFLM
 
         return HFLM.create_from_arg_obj(dict(model_args), extra)
     from torchtitan_ext.evaluation.lm import NativeLM
 
-    return NativeLM.create_from_arg_obj(dict(model_args), extra)
+    return NativeLM.create_from_arg_obj(dict(model_args, layout=layout), extra)
 
 
 def _run(lm, model: str, model_args: dict, args, tasks: list[str]):
@@ -223,7 +239,8 @@ def _run(lm, model: str, model_args: dict, args, tasks: list[str]):
         apply_chat_template=args.apply_chat_template or None, fewshot_as_multiturn=args.fewshot_as_multiturn,
         verbosity=args.verbosity, predict_only=args.predict_only or None,
         confirm_run_unsafe_code=args.confirm_run_unsafe_code or None,
-        metadata=_key_values(args.metadata) if args.metadata else None, model_args=model_args)
+        metadata=_key_values(args.metadata) if args.metadata else None, model_args=model_args,
+        device=_device(args))
     from lm_eval import simple_evaluate
 
     accepted = inspect.signature(simple_evaluate).parameters
@@ -231,11 +248,26 @@ def _run(lm, model: str, model_args: dict, args, tasks: list[str]):
     if missing:
         raise Refused(f"--{missing[0]}: this lm-eval version lacks it; upgrade lm-eval")
     options = {k: v for k, v in options.items() if v is not None}
+    cpu = time.process_time()
     results = evaluate(lm, tasks, include_path=args.include_path, limit=limit, num_fewshot=args.num_fewshot,
                        batch_size=args.batch_size, seed=args.seed, log_samples=args.log_samples,
-                       gen_kwargs=",".join(args.gen_kwargs) if args.gen_kwargs else None,
-                       bootstrap_iters=args.bootstrap_iters, **options)
+                       gen_kwargs=_key_values(args.gen_kwargs or []),
+                       bootstrap_iters=args.bootstrap_iters if _rank() == 0 else 0, **options)
+    cpu_seconds = _per_rank(time.process_time() - cpu, getattr(lm, "layout", None))
+    if results is not None:  # each process's CPU seconds in the evaluation (trainer bench eval reads them)
+        results["eval_cpu_seconds_per_process"] = cpu_seconds
     return results, tracker
+
+
+def _per_rank(value: float, layout) -> list[float]:
+    """``value`` of every process under torchrun (rank order), else ``[value]``."""
+    if layout is None or not layout.distributed:
+        return [value]
+    import torch.distributed as dist
+
+    values: list = [None] * dist.get_world_size(layout.group)
+    dist.all_gather_object(values, value, group=layout.group)
+    return values
 
 
 def _tokenizer_info(lm) -> dict[str, Any]:
@@ -283,7 +315,8 @@ def _report(results: dict, model: str, model_args: dict, args, seconds: float) -
     if args.show_config:
         print(json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False))
     sizes = ",".join(map(str, results.get("config", {}).get("batch_sizes", [])))
-    print(f"{model} ({model_args}), gen_kwargs: ({args.gen_kwargs}), limit: {args.limit}, num_fewshot: "
+    gen_kwargs = _key_values(args.gen_kwargs or [])
+    print(f"{model} ({model_args}), gen_kwargs: ({gen_kwargs}), limit: {args.limit}, num_fewshot: "
           f"{args.num_fewshot}, batch_size: {args.batch_size}{f' ({sizes})' if sizes else ''}")
     print(make_table(results))
     if "groups" in results:
@@ -298,7 +331,67 @@ def _unreachable_hub(error: OSError) -> bool:
         "requests", "urllib3", "huggingface_hub")
 
 
+def _launch(ngpu: int, argv: list[str]) -> int:
+    """``NGPU=N trainer eval ...``: the same command in N processes under torchrun (one node). A process that
+    fails on a user's mistake has printed its one line (rank 0); torchrun's report is not shown, and its exit
+    code is that process's."""
+    import os
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    logger.info("trainer eval: %d processes (NGPU=%d) under torchrun", ngpu, ngpu)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it; said here so it is not a warning
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        run(parse_args(["--standalone", "--nproc_per_node", str(ngpu), "-m", "torchtitan_ext.lm_eval_model",
+                        *argv]))
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
+        if code not in (2, 3):  # not a mistake rank 0 has already named
+            print(f"trainer eval: process {rank} failed (exit {code}); the cause is on its console above",
+                  file=sys.stderr)
+        return code
+    return 0
+
+
+def _layout():
+    """Under torchrun (WORLD_SIZE > 1): the process group, and this process's share of the requests (the
+    model is loaded whole on every process; the answers are gathered to every rank, rank 0 writes)."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    import torch.distributed as dist
+
+    from torchtitan_ext.evaluation.lm import EvalLayout
+    from trainer.setup import init_device, init_process_group
+
+    init_process_group(init_device(), timeout_s=1800)
+    return EvalLayout(dp_rank=dist.get_rank(), dp_size=dist.get_world_size(), group=dist.group.WORLD)
+
+
+def _rank() -> int:
+    """This process's rank under torchrun (0 alone): only rank 0's results are written, so the others skip
+    lm-eval's bootstrapped standard errors."""
+    import os
+
+    return int(os.environ.get("RANK", "0"))
+
+
+def _ngpu() -> int:
+    import os
+
+    value = os.environ.get("NGPU", "1") or "1"
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"NGPU={value}: give the number of processes, a positive integer")
+    return int(value)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import os
+
     from trainer import logs
     from trainer.errors import CheckpointError
 
@@ -312,36 +405,50 @@ def main(argv: list[str] | None = None) -> int:
     logs.setup()
     try:
         import lm_eval  # noqa: F401
+        from lm_eval.utils import setup_logging
     except ImportError:
         from torchtitan_ext.evaluation.lm import INSTALL_HINT
 
         print(INSTALL_HINT, file=sys.stderr)
         return 2
+    if args.verbosity is not None and not isinstance(logging.getLevelName(args.verbosity), int):
+        print(f"trainer eval: --verbosity {args.verbosity}: not a log level (DEBUG, INFO, WARNING, ERROR, "
+              "CRITICAL)", file=sys.stderr)
+        return 2
+    setup_logging(args.verbosity or "INFO")  # lm_eval's console logging (--write_out prints through it)
     tasks = [t.strip() for item in (args.tasks or []) for t in item.split(",") if t.strip()]
+    rank = _rank()
     t0 = time.perf_counter()
     try:
         if not tasks:
             raise ValueError("--tasks is required (lm-eval task or group names)")
         _refuse(args)
         model, model_args = _model_and_args(args)
-        lm = _build_lm(model, model_args, args)
+        _device(args)
+        ngpu = _ngpu()
+        if ngpu > 1 and "WORLD_SIZE" not in os.environ:
+            return _launch(ngpu, argv)
+        lm = _build_lm(model, model_args, args, layout=_layout() if model == "trainer" else None)
         results, tracker = _run(lm, model, model_args, args, tasks)
     except CheckpointError as e:  # a damaged checkpoint: nothing was evaluated
-        print(f"trainer eval: {e}", file=sys.stderr)
+        if rank == 0:
+            print(f"trainer eval: {e}", file=sys.stderr)
         return e.exit_code
     except (FileNotFoundError, ValueError, KeyError, TypeError) as e:
-        print(f"trainer eval: {e}", file=sys.stderr)
+        if rank == 0:
+            print(f"trainer eval: {e}", file=sys.stderr)
         return 2
     except OSError as e:
         if not _unreachable_hub(e):
             raise
-        print(f"trainer eval: the data of {', '.join(tasks)} is not on this machine and the Hugging Face Hub "
-              f"cannot be reached ({str(e).strip().splitlines()[0][:160]}): fetch it once where the Hub is "
-              "reachable (it stays in the datasets cache, HF_DATASETS_CACHE), or point at local data with a "
-              "task YAML (dataset_path: json, data_files) in a folder given by --include_path "
-              "(docs/export_eval.md, Local tasks)", file=sys.stderr)
+        if rank == 0:
+            print(f"trainer eval: the data of {', '.join(tasks)} is not on this machine and the Hugging Face Hub "
+                  f"cannot be reached ({str(e).strip().splitlines()[0][:160]}): fetch it once where the Hub is "
+                  "reachable (it stays in the datasets cache, HF_DATASETS_CACHE), or point at local data with a "
+                  "task YAML (dataset_path: json, data_files) in a folder given by --include_path "
+                  "(docs/export_eval.md, Local tasks)", file=sys.stderr)
         return 4
-    if results is None:  # non-zero ranks under lm-eval's own distribution
+    if results is None or rank != 0:  # ranks other than 0 under torchrun
         return 0
     for key, value in _tokenizer_info(lm).items():
         results.setdefault(key, value)

@@ -16,8 +16,9 @@ from trainer.errors import ConfigError
 @dataclass
 class Eval:
     freq: int = 0
-    """Score the lm-eval tasks every this many steps, on the model being trained (all ranks, no gather, no
-    conversion); 0: never. A multiple of metrics.log_freq, so the scores land on a logged step."""
+    """Score the lm-eval tasks every this many steps, on the model being trained as it is sharded (the
+    data-parallel ranks split the requests; FSDP, HSDP, tensor and pipeline parallel; no conversion); 0:
+    never. A multiple of metrics.log_freq, so the scores land on a logged step."""
     tasks: list[str] = field(default_factory=list)
     """lm-eval task or group names, e.g. ["hellaswag", "arc_easy"]; on the command line hellaswag,arc_easy.
     Their scores go to metrics.jsonl and TensorBoard as eval/<task>/<metric>, and to the console line."""
@@ -28,8 +29,9 @@ class Eval:
     include_path: str = ""
     """A folder of extra task YAMLs (local tasks); relative data_files in them are read from this folder."""
     batch_size: int = 8
-    """Requests per forward pass. Requests longer than training.seq_len (the model's RoPE table) are cut
-    from the left, as lm-eval does at its max_length."""
+    """Requests per forward pass (each data-parallel rank runs every dp-th batch; under pipeline parallel
+    at most training.local_batch_size, the schedule's batch). Requests longer than training.seq_len (the
+    model's RoPE table) are cut from the left, as lm-eval does at its max_length."""
     bootstrap_iters: int = 0
     """Bootstrap resamples for the standard errors of metrics without a closed form (lm-eval's default is
     100000, seconds per task); 0: those standard errors are not computed."""
@@ -62,12 +64,9 @@ def check_config(config, world_size: int | None = None) -> None:
         raise ConfigError(f"eval.bootstrap_iters must be >= 0, got {e.bootstrap_iters}")
     if e.include_path and not Path(e.include_path).is_dir():
         raise ConfigError(f"eval.include_path: {e.include_path} is not a folder of task YAMLs")
-    p = config.parallelism
-    for key, what in (("pipeline_parallel_degree", "pipeline stages hold parts of the model"),
-                      ("tensor_parallel_degree", "tensor-parallel layers are not scored by lm-eval requests yet"),
-                      ("context_parallel_degree", "context parallelism splits every sequence")):
-        if getattr(p, key, 1) > 1:
-            raise ConfigError(f"eval.freq with parallelism.{key} > 1: {what}; evaluate the checkpoints with "
-                              "'trainer eval' instead, or set eval.freq = 0")
+    if getattr(config.parallelism, "context_parallel_degree", 1) > 1:
+        raise ConfigError("eval.freq with parallelism.context_parallel_degree > 1: context parallelism splits "
+                          "every sequence and the evaluation does not follow it yet; evaluate the checkpoints "
+                          "with 'trainer eval' instead, or set eval.freq = 0")
     if importlib.util.find_spec("lm_eval") is None:
         raise ConfigError("eval.freq needs lm-eval: pip install 'lm-eval[hf]>=0.4.5' (the [eval] extra)")

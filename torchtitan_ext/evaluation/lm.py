@@ -10,6 +10,11 @@ tokenizer/policy.py), which is what the exported tokenizer does too (lm-eval's H
 ``max_length`` defaults to the flavor's context length (the export's ``max_position_embeddings``), so a
 native checkpoint and its export get the same scores.
 
+Over several ranks (``trainer eval`` under torchrun, ``[eval]`` on a sharded model) the data-parallel ranks
+split the requests and gather the answers back in lm-eval's order (:class:`EvalLayout`); under tensor
+parallel the vocabulary-sharded logits are gathered, under pipeline parallel the training's schedule runs
+forward-only passes (:class:`PipelineEval`).
+
 Usage (the argument names are lm-eval's)::
 
     trainer eval --model_args checkpoint=outputs/run --tasks hellaswag,arc_easy --limit 100 --batch_size auto \
@@ -23,6 +28,7 @@ import contextlib
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +53,80 @@ except ImportError:  # pragma: no cover - exercised only without the eval extra
 INSTALL_HINT = "trainer eval needs lm-eval: pip install 'lm-eval[hf]>=0.4.5' (or the project's [eval] extra)"
 
 
+@dataclass
+class EvalLayout:
+    """How this process takes part in an evaluation spread over ranks.
+
+    The requests are cut into batches in one deterministic order (longest first); batch ``k`` goes to the
+    data-parallel rank ``k % dp_size``. Every rank runs the same number of forward passes (a rank out of
+    batches runs a one-token filler), because a sharded model's forward is collective: FSDP gathers each
+    layer from its shard group, tensor parallel and pipeline stages exchange activations. The answers are
+    then gathered over ``group`` to every rank and put back in lm-eval's order, so each rank's lm-eval
+    computes the same scores as one process would.
+
+    ``lockstep``: the forward is collective (a sharded model); ``False`` for replicated models (``trainer
+    eval`` under torchrun), whose ranks need to meet only for the final gather. ``pad_multiple``: batch
+    widths are padded to a multiple of it (sequence parallel splits the sequence over the TP ranks).
+    ``pipeline``: the schedule, when the model is split into pipeline stages.
+    """
+
+    dp_rank: int = 0
+    dp_size: int = 1
+    group: Any = None
+    lockstep: bool = False
+    pad_multiple: int = 1
+    pipeline: PipelineEval | None = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.group is not None and torch.distributed.get_world_size(self.group) > 1
+
+
+@dataclass
+class PipelineEval:
+    """Forward-only passes through this rank's pipeline stages with the training schedule's ``eval()``.
+    Every pass has the schedule's own shape (``rows`` x ``width``: the training's local batch and sequence
+    length): the stages' communication buffers are sized by the first pass of a mode, so eval batches are
+    padded to it. Only ranks holding the last stage get logits; generated tokens go from there to the
+    other stages over ``pp_group``."""
+
+    schedule: Any
+    has_first: bool
+    has_last: bool
+    pp_group: Any
+    rows: int
+    width: int
+
+    def forward(self, batch: torch.Tensor, device) -> torch.Tensor | None:
+        n, w = batch.shape
+        if n > self.rows or w > self.width:
+            raise ValueError(f"eval batch {n}x{w} exceeds the pipeline's shape {self.rows}x{self.width}")
+        padded = torch.zeros((self.rows, self.width), dtype=torch.long, device=device)
+        padded[:n, :w] = batch.to(device)
+        schedule = self.schedule
+        # Forward only, and no loss: the training's loss (and the loss terms callbacks add to it) must not
+        # see evaluation batches. The schedule keeps its loss function in _loss_fn.
+        loss_fn, schedule._loss_fn = schedule._loss_fn, None
+        try:
+            out = schedule.eval(padded) if self.has_first else schedule.eval()
+        finally:
+            schedule._loss_fn = loss_fn
+        if not self.has_last:
+            return None
+        full_tensor = getattr(out, "full_tensor", None)
+        out = full_tensor() if full_tensor is not None else out
+        return out[:n, :w]
+
+    def last_stage_rank(self) -> int:
+        """The global rank of this pipeline's last stage (rank 0 of the pipeline under the V schedules)."""
+        if not hasattr(self, "_last"):
+            flags = [None] * torch.distributed.get_world_size(self.pp_group)
+            torch.distributed.all_gather_object(flags, (torch.distributed.get_rank(), self.has_last),
+                                                group=self.pp_group)
+            self._last = next(rank for rank, last in flags if last)
+        return self._last
+
+
 def _adds_bos(tok, config=None) -> bool:
     """Whether requests start with BOS. With the run's config: its BOS/EOS rule (tokenizer/policy.py), which
     the export follows too, so a checkpoint and its export are scored alike; without one: what the
@@ -64,7 +144,7 @@ class NativeLM(TemplateLM):
 
     Either ``checkpoint=`` (a DCP step/checkpoint/dump folder; ``config``, ``flavor``, ``tokenizer``,
     ``step`` as in ``trainer export``) or ``model=`` and ``tokenizer=`` objects (in-process evaluation of a
-    model being trained; it must be unsharded or replicated on this process).
+    model being trained, sharded or not: ``layout`` says how this rank takes part, see :class:`EvalLayout`).
     """
 
     def __init__(self, checkpoint: str | None = None, *, model=None, tokenizer=None, config=None,
@@ -72,7 +152,7 @@ class NativeLM(TemplateLM):
                  dtype: str = "fp32", device: str | None = "cpu", batch_size: int | str | None = 8,
                  max_batch_size: int | None = None, max_length: int | None = None, max_gen_toks: int = 256,
                  add_bos_token: bool | None = None, context_length: int | None = None,
-                 trust_remote_code: bool | None = None):
+                 trust_remote_code: bool | None = None, layout: EvalLayout | None = None):
         super().__init__()
         if model is None:
             if checkpoint is None:
@@ -91,6 +171,13 @@ class NativeLM(TemplateLM):
         # auto / auto:N: the largest batch (max_batch_size, default 64), halved on CUDA out-of-memory.
         self._auto_batch = str(batch_size).startswith("auto")
         self.batch_size = int(max_batch_size or 64) if self._auto_batch else int(batch_size or 1)
+        # What lm-eval records as results["config"]["batch_sizes"]: the size found for --batch_size auto.
+        self.batch_sizes: dict[int, int] = {0: self.batch_size} if self._auto_batch else {}
+        self.layout = layout or EvalLayout()
+        if self.layout.pipeline is not None and self.batch_size > self.layout.pipeline.rows:
+            logger.info("eval batches hold %d requests, not %d: under pipeline parallel a batch is the "
+                        "schedule's (training.local_batch_size)", self.layout.pipeline.rows, self.batch_size)
+            self.batch_size = self.layout.pipeline.rows
         rope_len = int(model.rope_cache.shape[0])
         self._max_length = int(max_length or context_length or rope_len)
         if self._max_length > rope_len:
@@ -142,34 +229,74 @@ class NativeLM(TemplateLM):
         return self.tok.decode(list(ids))
 
     @torch.no_grad()
-    def _logits(self, batch: torch.Tensor) -> torch.Tensor:
+    def _logits(self, batch: torch.Tensor) -> torch.Tensor | None:
+        """Logits of a ``[rows, width]`` batch; None on pipeline ranks without the last stage."""
+        layout = self.layout
+        if layout.pad_multiple > 1 and batch.shape[1] % layout.pad_multiple:  # right padding: causal, harmless
+            width = -(-batch.shape[1] // layout.pad_multiple) * layout.pad_multiple
+            batch = F.pad(batch, (0, width - batch.shape[1]))
+        if layout.pipeline is not None:
+            return layout.pipeline.forward(batch, self._device)
         try:
             logits = self.model(batch.to(self._device))
         except torch.cuda.OutOfMemoryError:
-            if not self._auto_batch or batch.shape[0] == 1:
+            if not self._auto_batch or batch.shape[0] == 1 or layout.lockstep:
                 raise
             torch.cuda.empty_cache()
             half = batch.shape[0] // 2
             self.batch_size = min(self.batch_size, half)  # later batches start at the size that fitted
+            self.batch_sizes = {0: self.batch_size}
             return torch.cat([self._logits(batch[:half]), self._logits(batch[half:])])
         full_tensor = getattr(logits, "full_tensor", None)  # vocabulary-sharded logits (tensor parallel)
         return full_tensor() if full_tensor is not None else logits
+
+    def _my_batches(self, batches: list) -> list:
+        """This rank's share of ``batches`` (every dp_size-th, from its dp rank), padded with ``None`` (a
+        filler pass) to the number of rounds every rank runs when the forward is collective."""
+        layout = self.layout
+        mine = batches[layout.dp_rank::layout.dp_size]
+        if layout.lockstep:
+            rounds = -(-len(batches) // layout.dp_size)
+            mine = mine + [None] * (rounds - len(mine))
+        return mine
+
+    def _gather(self, local: dict[int, Any], n: int) -> list:
+        """Every rank's answers (request index -> answer) merged, in request order, on every rank."""
+        if self.layout.distributed:
+            parts: list[Any] = [None] * torch.distributed.get_world_size(self.layout.group)
+            torch.distributed.all_gather_object(parts, local, group=self.layout.group)
+            local = {}
+            for part in parts:
+                local.update(part)
+        missing = [i for i in range(n) if i not in local]
+        if missing:
+            raise RuntimeError(f"no rank scored eval request(s) {missing[:5]}")
+        return [local[i] for i in range(n)]
+
+    def _any(self, flag: bool) -> bool:
+        """``flag`` on any rank of the evaluation (one all-reduce when the forward is collective)."""
+        if not (self.layout.lockstep and self.layout.distributed):
+            return flag
+        t = torch.tensor([int(flag)], device=self._device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.layout.group)
+        return bool(t.item())
 
     # --- requests ------------------------------------------------------------------------------------
 
     @torch.no_grad()
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
-        """``[(cache_key, context_ids, continuation_ids)] -> [(logprob, is_greedy)]``, longest first."""
+        """``[(cache_key, context_ids, continuation_ids)] -> [(logprob, is_greedy)]``, longest first, each
+        data-parallel rank scoring its share of the batches (see :class:`EvalLayout`)."""
         from tqdm import tqdm
 
         order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
-        results: list[tuple[float, bool] | None] = [None] * len(requests)
         bs = override_bs or self.batch_size
+        batches = [order[b:b + bs] for b in range(0, len(order), bs)]
+        local: dict[int, tuple[float, bool]] = {}
         pbar = tqdm(total=len(requests), disable=disable_tqdm, desc="loglikelihood (native)")
-        for b in range(0, len(order), bs):
-            idx = order[b:b + bs]
+        for idx in self._my_batches(batches):
             inputs, metas = [], []
-            for i in idx:
+            for i in idx or ():
                 _, ctx, cont = requests[i]
                 if not cont:
                     raise ValueError("empty continuation in a loglikelihood request")
@@ -177,23 +304,28 @@ class NativeLM(TemplateLM):
                 inp = whole[:-1]
                 inputs.append(inp)
                 metas.append((len(inp), list(cont)))
+            if not inputs:  # a filler pass: the other ranks' forward needs this rank's part of the model
+                inputs = [[self.prefix_token_id]]
             width = max(len(x) for x in inputs)
             batch = torch.zeros((len(inputs), width), dtype=torch.long)  # right padding: causal, harmless
             for row, inp in enumerate(inputs):
                 batch[row, :len(inp)] = torch.tensor(inp, dtype=torch.long)
-            logprobs = F.log_softmax(self._logits(batch).float(), dim=-1).cpu()
+            logits = self._logits(batch)
+            if logits is None or not idx:
+                continue
+            logprobs = F.log_softmax(logits.float(), dim=-1).cpu()
             for row, (i, (inplen, cont)) in enumerate(zip(idx, metas)):
                 n = len(cont)
                 lp = logprobs[row, inplen - n:inplen]  # positions predicting the continuation
                 target = torch.tensor(cont, dtype=torch.long)
                 is_greedy = bool((lp.argmax(dim=-1) == target).all())
-                answer = (float(lp.gather(-1, target[:, None]).sum()), is_greedy)
-                results[i] = answer
-                cache_key = requests[i][0]
-                if cache_key is not None:
-                    self.cache_hook.add_partial("loglikelihood", cache_key, answer)
+                local[i] = (float(lp.gather(-1, target[:, None]).sum()), is_greedy)
                 pbar.update(1)
         pbar.close()
+        results = self._gather(local, len(requests))
+        for (cache_key, _, _), answer in zip(requests, results):
+            if cache_key is not None:
+                self.cache_hook.add_partial("loglikelihood", cache_key, answer)
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
@@ -216,15 +348,24 @@ class NativeLM(TemplateLM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        from torchtitan_ext.generate import generate
-
-        results: list[str | None] = [None] * len(requests)
+        """Greedy unless a task samples; batches of one generation setting, longest first, each
+        data-parallel rank generating its share (see :class:`EvalLayout`)."""
+        batches: list[tuple[dict, list[int]]] = []
         groups: dict[str, list[int]] = {}
         for i, req in enumerate(requests):
             groups.setdefault(json.dumps(req.args[1], sort_keys=True, default=str), []).append(i)
+        for idx in groups.values():
+            idx = sorted(idx, key=lambda i: -len(self.tok_encode(requests[i].args[0])))
+            batches += [(requests[idx[0]].args[1], idx[b:b + self.batch_size])
+                        for b in range(0, len(idx), self.batch_size)]
         eos_text = self.tok.decode([self.tok.eos_id]) if self.tok.eos_id is not None else ""
-        for key, idx in groups.items():
-            kwargs = dict(requests[idx[0]].args[1])
+        local: dict[int, str] = {}
+        for item in self._my_batches(batches):
+            if item is None:  # a filler: the other ranks' passes need this rank's part of the model
+                self._generate_lockstep([], 0, {})
+                continue
+            settings, chunk = item
+            kwargs = dict(settings)
             until = kwargs.pop("until", None) or []
             until = [until] if isinstance(until, str) else list(until)
             if eos_text and eos_text not in until:
@@ -232,32 +373,72 @@ class NativeLM(TemplateLM):
             max_gen = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
             # Greedy unless the task explicitly samples (do_sample: true with a positive temperature).
             do_sample = bool(kwargs.pop("do_sample", False))
-            temperature = float(kwargs.pop("temperature", 0.0) or 0.0) if do_sample else 0.0
-            top_k = int(kwargs.pop("top_k", 0) or 0)
-            top_p = float(kwargs.pop("top_p", 1.0) or 1.0)
-            idx = sorted(idx, key=lambda i: -len(self.tok_encode(requests[i].args[0])))
-            for b in range(0, len(idx), self.batch_size):
-                chunk = idx[b:b + self.batch_size]
-                contexts = [self.tok_encode(requests[i].args[0], left_truncate_len=self.max_length - max_gen)
-                            for i in chunk]
-                contexts = [c if c else [self.prefix_token_id] for c in contexts]
-                stops = [u for u in until if u]
+            sampling = {"temperature": float(kwargs.pop("temperature", 0.0) or 0.0) if do_sample else 0.0,
+                        "top_k": int(kwargs.pop("top_k", 0) or 0), "top_p": float(kwargs.pop("top_p", 1.0) or 1.0)}
+            contexts = [self.tok_encode(requests[i].args[0], left_truncate_len=self.max_length - max_gen)
+                        for i in chunk]
+            contexts = [c if c else [self.prefix_token_id] for c in contexts]
+            stops = [u for u in until if u]
 
-                def stop_fn(row, ids, _stops=stops):
-                    text = self.tok.decode(ids)
-                    return any(s in text for s in _stops)
+            def stop_fn(row, ids, _stops=stops):
+                text = self.tok.decode(ids)
+                return any(s in text for s in _stops)
 
-                new = generate(self.model, contexts, max_gen, temperature=temperature, top_k=top_k, top_p=top_p,
-                               eos_id=self.tok.eos_id, pad_id=self.tok.pad_id or 0, stop_fn=stop_fn)
-                for i, ids in zip(chunk, new):
-                    text = self.tok.decode(ids)
-                    for s in stops:
-                        if s in text:
-                            text = text.split(s)[0]
-                    results[i] = text
-                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
-        return results  # type: ignore[return-value]
+            if self.layout.lockstep:
+                new = self._generate_lockstep(contexts, max_gen, sampling, stop_fn)
+            else:
+                from torchtitan_ext.generate import generate
 
+                new = generate(self.model, contexts, max_gen, **sampling, eos_id=self.tok.eos_id,
+                               pad_id=self.tok.pad_id or 0, stop_fn=stop_fn)
+            for i, ids in zip(chunk, new):
+                text = self.tok.decode(ids)
+                for s in stops:
+                    if s in text:
+                        text = text.split(s)[0]
+                local[i] = text
+        results = self._gather(local, len(requests))
+        for req, text in zip(requests, results):
+            self.cache_hook.add_partial("generate_until", req.args, text)
+        return results
+
+    @torch.no_grad()
+    def _generate_lockstep(self, contexts: list[list[int]], max_gen: int, sampling: dict,
+                           stop_fn=None) -> list[list[int]]:
+        """Generation when the forward is collective (a sharded model): the whole sequence runs through
+        the training forward at every token (no KV cache: tensor parallel's sequence split and the pipeline
+        schedule take whole sequences), and every rank runs passes until no rank has a row left. Under
+        pipeline parallel the last stage picks the tokens and sends them to the other stages."""
+        from torchtitan_ext.generate import record_new_tokens, sample_next
+
+        tokens = [list(c) for c in contexts] or [[self.prefix_token_id]]
+        out: list[list[int]] = [[] for _ in tokens]
+        done = torch.tensor([not contexts] * len(tokens))
+        rows = torch.arange(len(tokens))
+        pipeline = self.layout.pipeline
+        step = 0
+        while self._any(not bool(done.all()) and step < max_gen):
+            batch = torch.zeros((len(tokens), max(len(t) for t in tokens)), dtype=torch.long)
+            for row, t in enumerate(tokens):
+                batch[row, :len(t)] = torch.tensor(t, dtype=torch.long)
+            logits = self._logits(batch)
+            if logits is not None:
+                last = torch.tensor([len(t) - 1 for t in tokens])
+                nxt = sample_next(logits[rows.to(logits.device), last.to(logits.device)], **sampling).to(self._device)
+            else:
+                nxt = torch.zeros(len(tokens), dtype=torch.long, device=self._device)
+            if pipeline is not None:
+                torch.distributed.broadcast(nxt, src=pipeline.last_stage_rank(), group=pipeline.pp_group)
+            nxt = nxt.cpu()
+            for row in range(len(tokens)):
+                if not done[row] and step < max_gen:
+                    tokens[row].append(int(nxt[row]))
+            if step < max_gen:
+                record_new_tokens(nxt, done, out, self.tok.eos_id, stop_fn)
+            else:
+                done[:] = True
+            step += 1
+        return out if contexts else []
 
 # --------------------------------------------------------------------------------------------------
 # trainer eval
@@ -303,7 +484,8 @@ def _task_manager(include: str | None, tasks: list[str]):
 
 def evaluate(lm, tasks: list[str], *, include_path: str | None = None, limit: float | None = None,
              num_fewshot: int | None = None, batch_size: int | str | None = None,
-             seed: int | list[int | None] = 1234, log_samples: bool = False, gen_kwargs: str | None = None,
+             seed: int | list[int | None] = 1234, log_samples: bool = False,
+             gen_kwargs: str | dict | None = None,
              data_dir: str | Path | None = None, bootstrap_iters: int = 0, **options) -> dict:
     """Run lm-eval's ``simple_evaluate`` on an LM object and return its results.
 

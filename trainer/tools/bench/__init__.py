@@ -1,6 +1,6 @@
 """``trainer bench``: performance benchmarks of the trainer itself.
 
-    trainer bench [overhead|data|data-files|checkpoint|gpu|kernels|vs-torchtitan|integrity|all] [--json FILE]
+    trainer bench [overhead|data|data-files|checkpoint|gpu|kernels|vs-torchtitan|integrity|eval|all] [--json FILE]
                   [--steps N|small] [--config FILE] [--section.key value ...]
 
 Suites (each prints rows of the table and fills one entry of the JSON results):
@@ -40,6 +40,8 @@ Suites (each prints rows of the table and fills one entry of the JSON results):
 * ``vs-torchtitan``: our trainer's steady step against torchtitan 0.2.2's at the same shape and settings,
   separate processes, interleaved (when torchtitan is importable; one line otherwise).
 * ``integrity``: checksum throughput, and what checksums add to a DCP save and to the check before a load.
+* ``eval``: ``trainer eval`` wall time on the same requests with 2 processes against 1 (the data-parallel
+  split of the requests), and that both give the same scores (``eval.py``).
 
 ``all`` runs overhead, data, checkpoint and (with CUDA) gpu.
 
@@ -79,6 +81,7 @@ SUITES: dict[str, tuple[str, str, bool]] = {
     "gpu": ("trainer.tools.bench.gpu", "bench_gpu", True),
     "kernels": ("trainer.tools.bench.kernels", "bench_kernels", False),
     "vs-torchtitan": ("trainer.tools.bench.vs_torchtitan", "bench_vs_torchtitan", False),
+    "eval": ("trainer.tools.bench.eval", "bench_eval", False),
 }
 
 
@@ -126,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="TOML config (default: the debug model)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--data-seconds", type=float, default=3.0, help="seconds per loader measurement")
-    parser.add_argument("--checkpoint-repeats", type=int, default=5)
+    parser.add_argument("--checkpoint-repeats", type=int, default=5, help="checkpoint, eval: repeats")
     parser.add_argument("--integrity-mb", type=int, default=256, help="integrity: MiB hashed in memory and on disk")
     parser.add_argument("--processes", type=int, default=3,
                         help="overhead: pairs of separate trainer / bare-loop processes (0: in-process only)")

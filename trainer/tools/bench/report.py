@@ -13,6 +13,7 @@ TARGETS = {
     "async_block_fraction": ("<", 0.20),
     "overhead_ratio_processes": ("<=", 1.03),
     "ours_vs_torchtitan": ("<=", 1.00),
+    "eval_ratio_2_over_1": ("<=", 0.65),
 }
 
 
