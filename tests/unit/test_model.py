@@ -380,22 +380,29 @@ def test_rope_llama31_scaling_each_band():
             w = (8192 / wavelen - 1.0) / 3.0
             band, expected_f = "medium", (1 - w) * f / 8.0 + w * f
         seen.add(band)
-        assert cache[pos, i, 0].item() == pytest.approx(math.cos(pos * expected_f), abs=2e-6), (i, band)
-        assert cache[pos, i, 1].item() == pytest.approx(math.sin(pos * expected_f), abs=2e-6), (i, band)
+        tol = _f32_angle_error(pos * expected_f)
+        assert cache[pos, i, 0].item() == pytest.approx(math.cos(pos * expected_f), abs=tol), (i, band)
+        assert cache[pos, i, 1].item() == pytest.approx(math.sin(pos * expected_f), abs=tol), (i, band)
     assert seen == {"low", "medium", "high"}
 
     # Spot values, hand-computed: i = 0 (f = 1, high band), i = 63 (low band) and i = 32
     # (f = 500000**-0.5, wavelength 4442.9, medium band).
-    assert cache[pos, 0, 1].item() == pytest.approx(math.sin(5000.0), abs=2e-6)
+    assert cache[pos, 0, 1].item() == pytest.approx(math.sin(5000.0), abs=_f32_angle_error(5000.0))
     f63 = 500000.0 ** (-126 / 128)
     assert cache[pos, 63, 1].item() == pytest.approx(math.sin(5000 * f63 / 8), abs=2e-6)
     f32 = 500000.0**-0.5
     w = (8192 * f32 / (2 * math.pi) - 1) / 3
     assert 0 < w < 1
     assert cache[pos, 32, 0].item() == pytest.approx(math.cos(5000 * f32 * (w + (1 - w) / 8)), abs=2e-6)
-    # The scaling really changed the low/medium bands and left the high band alone.
-    assert torch.equal(cache[:, :20], unscaled[:, :20])
+    # The scaling really changed the low/medium bands and left the high band alone (up to float32 angles).
+    torch.testing.assert_close(cache[:, :20], unscaled[:, :20], rtol=0, atol=_f32_angle_error(pos))
     assert not torch.allclose(cache[pos, 40:], unscaled[pos, 40:])
+
+
+def _f32_angle_error(angle: float) -> float:
+    """Bound on the error of cos/sin of a float32 angle ``p * f`` (a scaled table's, as torchtitan computes
+    it): ``f`` and the product are each rounded to float32 (2**-24 relative each), plus the cos/sin rounding."""
+    return abs(angle) * 2**-22 + 1e-6
 
 
 def test_flavor_rope_scaling():
@@ -446,8 +453,32 @@ def test_debugmodel_rope_table_is_torchtitans_scaled_one():
         f = 500000.0 ** (-2 * i / 16)
         w = (8192 * f / (2 * math.pi) - 1) / 3  # 1 or more: high band; 0 or less: low band
         expected = f if w >= 1 else f / 8 if w <= 0 else (1 - w) * f / 8 + w * f
-        assert scaled[pos, i, 1].item() == pytest.approx(math.sin(pos * expected), abs=2e-5), i
-    assert torch.equal(scaled[:, :4], plain[:, :4]) and not torch.allclose(scaled[:, 4:], plain[:, 4:])
+        assert scaled[pos, i, 1].item() == pytest.approx(math.sin(pos * expected), abs=_f32_angle_error(pos)), i
+    torch.testing.assert_close(scaled[:, :4], plain[:, :4], rtol=0, atol=_f32_angle_error(pos))
+    assert not torch.allclose(scaled[:, 4:], plain[:, 4:])
+
+
+@pytest.mark.parametrize("flavor", ["debugmodel", "llama3_8b"])
+def test_scaled_rope_table_equals_torchtitans_float32_formula_bit_for_bit(flavor):
+    """torchtitan v0.2.2's ``precompute_freqs_cis`` (and Meta's reference), written out here: frequencies,
+    Llama 3.1 scaling and angles in float32, cos + i sin by ``torch.polar``. A scaled table equals it bit for
+    bit, which is what makes torchtitan's flavors train to torchtitan's losses bit for bit."""
+    args = LLAMA_FLAVORS[flavor]
+    s, d, n = args.rope_scaling, args.head_dim, 2048
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2)[: d // 2].float() / d))
+    wavelen = 2 * math.pi / freqs
+    low = s.original_max_position_embeddings / s.low_freq_factor  # longer wavelengths: divided by the factor
+    high = s.original_max_position_embeddings / s.high_freq_factor  # shorter ones: unchanged
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    freqs = torch.where(wavelen > low, freqs / s.factor, freqs)
+    freqs = torch.where((wavelen >= high) & (wavelen <= low), (1 - smooth) * freqs / s.factor + smooth * freqs, freqs)
+    angles = torch.outer(torch.arange(n), freqs)
+    assert angles.dtype == torch.float32
+    expected = torch.view_as_real(torch.polar(torch.ones_like(angles), angles))
+    assert torch.equal(precompute_rope_cache(d, n, args.rope_theta, s), expected)
+    # The test can tell: the same formula with float64 angles, rounded once, differs in many entries.
+    wide = torch.outer(torch.arange(n, dtype=torch.float64), freqs.double())
+    assert (torch.stack((wide.cos(), wide.sin()), dim=-1).float() != expected).float().mean() > 0.1
 
 
 # ----------------------------------------------------------------------------- counts

@@ -81,16 +81,24 @@ def precompute_rope_cache(
     """Cos/sin table of shape ``[max_seq_len, head_dim // 2, 2]`` (float32).
 
     ``cache[p, i, 0] = cos(p * f_i)`` and ``cache[p, i, 1] = sin(p * f_i)`` with
-    ``f_i = theta ** (-2i / head_dim)`` (optionally Llama 3.1-scaled). Angles are computed in
-    float64 and rounded once, so long positions keep full float32 accuracy.
+    ``f_i = theta ** (-2i / head_dim)`` (optionally Llama 3.1-scaled).
+
+    Precision. A Llama 3.1-scaled table (``scaling`` set: the llama3 flavors, torchtitan's included) is
+    computed as torchtitan's ``precompute_freqs_cis``, Meta's reference code and ``transformers`` compute
+    it: frequencies, scaling and angles in float32 (``torch.polar`` for cos/sin, as torchtitan), so the same
+    weights and batches give torchtitan's losses bit for bit (``trainer bench vs-torchtitan``). An unscaled
+    table keeps angles in float64, rounded once to float32: more accurate at long positions (a float32
+    angle is off by up to half an ulp of ``p * f_i``, ~4e-3 rad at position 131072), and this trainer's
+    own models (``debug_gqa``) and their recorded reference outputs use it.
     """
-    exponent = torch.arange(0, head_dim, 2, device=device, dtype=torch.float64)[: head_dim // 2]
+    dtype = torch.float64 if scaling is None else torch.float32
+    exponent = torch.arange(0, head_dim, 2, device=device, dtype=dtype)[: head_dim // 2]
     freqs = 1.0 / (theta ** (exponent / head_dim))
     if scaling is not None:
         freqs = apply_rope_scaling(freqs, scaling)
-    positions = torch.arange(max_seq_len, device=device, dtype=torch.float64)
+    positions = torch.arange(max_seq_len, device=device, dtype=dtype)
     angles = torch.outer(positions, freqs)
-    return torch.stack((angles.cos(), angles.sin()), dim=-1).to(torch.float32)
+    return torch.view_as_real(torch.polar(torch.ones_like(angles), angles)).to(torch.float32)
 
 
 def apply_rotary_emb(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
