@@ -5,7 +5,10 @@ The launcher (``trainer.launch``) takes the lock before torchrun starts and hold
 restarts; workers started without it (plain ``torchrun -m trainer.train``) take it on rank 0. The lock
 belongs to the job, not to one node: a multi-node job names itself by its rendezvous (id and endpoint), the
 first node's launcher to arrive takes the lock, and the other nodes of that job join it (whatever node rank
-they were given); a launcher of any other job is refused.
+they were given); a launcher of any other job is refused. Every part of a job that takes or joins the lock
+also keeps a holder file with its own heartbeat in ``<dump_folder>/run.lock.holders/``: the lock stays held
+while any holder lives (the part that took it may end first, e.g. one replica group of a fault-tolerant
+job), and the last holder to leave removes it.
 A second launch into the same folder stops at once with one line (exit code 6). A lock is stale, and taken
 over with a warning, when its process is gone (same host) or its heartbeat is older than
 ``job.lock_stale_after_s`` (another host, e.g. on a shared filesystem after a node died).
@@ -26,6 +29,7 @@ from trainer.errors import TrainerError
 logger = logging.getLogger("trainer")
 
 LOCK_FILE = "run.lock"
+HOLDERS_DIR = LOCK_FILE + ".holders"  # one file per live part of the job that holds the lock
 ENV = "TRAINER_RUN_LOCK"  # set by the launcher for its workers: the lock is held already
 HEARTBEAT_S = 15.0
 
@@ -58,7 +62,38 @@ def read_lock(path: Path) -> dict | None:
 
 
 def stale_reason(info: dict, path: Path, stale_after_s: float) -> str | None:
-    """Why the lock ``info`` (read from ``path``) is stale, or None while its owner is alive."""
+    """Why the lock ``info`` (read from ``path``) is stale, or None while its owner, or any holder of its job,
+    is alive."""
+    reason = _own_stale_reason(info, path, stale_after_s)
+    if reason is not None and info.get("job") is not None and live_holders(Path(path).parent, stale_after_s):
+        return None  # the part that took it ended or died; the job's other parts still run
+    return reason
+
+
+def live_holders(dump_folder: Path, stale_after_s: float, exclude: Path | None = None) -> list[Path]:
+    """The holder files of parts of the job that are still alive (stale ones are removed)."""
+    live = []
+    try:
+        files = sorted((Path(dump_folder) / HOLDERS_DIR).glob("*.json"))
+    except OSError:
+        return live
+    for f in files:
+        if f == exclude:
+            continue
+        info = read_lock(f)
+        if info is None:
+            continue
+        if _own_stale_reason(info, f, stale_after_s) is None:
+            live.append(f)
+        else:
+            try:
+                f.unlink()
+            except OSError:
+                pass
+    return live
+
+
+def _own_stale_reason(info: dict, path: Path, stale_after_s: float) -> str | None:
     host, pid = info.get("host"), info.get("pid")
     if host == socket.gethostname() and isinstance(pid, int) and not _alive(pid):
         return f"its process {pid} on this host is gone"
@@ -101,6 +136,7 @@ class RunLock:
         self._thread: threading.Thread | None = None
         self.held = False
         self.joined = False  # another node of the same job holds it
+        self.holder: Path | None = None  # this part's file under run.lock.holders (a job's lock)
 
     def acquire(self) -> "RunLock":
         """Take the lock (or a stale one) and start the heartbeat, or join the lock of this job's first node;
@@ -121,6 +157,7 @@ class RunLock:
                     self.joined = True
                     logger.info("run lock %s: held by this job's node on host %s; joining it", self.path,
                                 info.get("host", "?"))
+                    self._hold()
                     return self
                 if reason is None:
                     raise RunLockedError(
@@ -140,13 +177,40 @@ class RunLock:
             break
         else:
             raise RunLockedError(f"could not take the lock {self.path} (others keep taking it)")
+        if self.info.get("job") is not None:
+            self._hold()
+        else:
+            self._start_beat()
+        return self
+
+    def _hold(self) -> None:
+        """This part of the job holds the lock until :meth:`release`: its holder file, with a heartbeat."""
+        holders = self.path.with_name(HOLDERS_DIR)
+        if self.held:  # a new job's lock: the holders of a job that held it before are gone
+            for old in holders.glob("*.json"):
+                if _own_stale_reason(read_lock(old) or {}, old, self.stale_after_s) is not None:
+                    old.unlink(missing_ok=True)
+        holders.mkdir(exist_ok=True)
+        self.holder = holders / f"{self.info['host']}-{self.info['pid']}-{id(self)}.json"
+        self.holder.write_text(json.dumps(self.info))
+        self._start_beat()
+
+    def _start_beat(self) -> None:
         self._thread = threading.Thread(target=self._beat, name="run-lock-heartbeat", daemon=True)
         self._thread.start()
-        return self
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             self.info["heartbeat"] = time.time()
+            if self.holder is not None:
+                try:
+                    tmp = self.holder.with_suffix(".tmp")
+                    tmp.write_text(json.dumps(self.info))
+                    os.replace(tmp, self.holder)
+                except OSError:
+                    pass
+            if not self.held:
+                continue
             tmp = self.path.with_name(f"{LOCK_FILE}.{os.getpid()}.tmp")
             try:
                 mine = read_lock(self.path)
@@ -160,10 +224,23 @@ class RunLock:
                 pass  # a full or flaky disk: the next beat tries again
 
     def release(self) -> None:
+        """Give the lock up: removed when this process owns it, or (a job's lock) when this is its last
+        live holder, whichever part of the job took it."""
         self._stop.set()
-        if not self.held:
+        held, self.held = self.held, False
+        if self.holder is not None:
+            self.holder.unlink(missing_ok=True)
+            self.holder = None
+            if live_holders(self.path.parent, self.stale_after_s):
+                if held:
+                    logger.info("run lock %s: this part of the job ends; its other parts still hold it", self.path)
+                return
+            info = read_lock(self.path)
+            if info and info.get("job") == self.info.get("job"):
+                self.path.unlink(missing_ok=True)
             return
-        self.held = False
+        if not held:
+            return
         info = read_lock(self.path)
         if info and info.get("pid") == self.info["pid"] and info.get("host") == self.info["host"]:
             try:

@@ -4,6 +4,7 @@ and DiLoCo's model fragments. The runs themselves are in tests/distributed/test_
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -118,3 +119,27 @@ def test_diloco_fragments_cover_the_model_once():
                      '[["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]').fault_tolerance
     with pytest.raises(ConfigError, match="leaves out layers.2.attention"):
         model_fragments(model, partial)
+
+
+def test_semi_sync_measuring_script_replaces_only_dilocos_outer_optimizer(tmp_path, monkeypatch):
+    """scripts/measure_ft_semi_sync.py --outer LR,MOMENTUM: the workers' DiLoCo outer SGD (lr 0.7, momentum
+    0.9, Nesterov) becomes SGD(LR, MOMENTUM), any other SGD is left alone; the last steps' mean loss is over
+    every group's records."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("measure_ft_semi_sync", ROOT / "scripts" / "measure_ft_semi_sync.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setenv("MEASURE_DILOCO_OUTER", "1,0")
+    monkeypatch.setattr(torch.optim, "SGD", torch.optim.SGD)  # restored after the patch replaces it
+    exec(script.PATCH, {})
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    outer = torch.optim.SGD(p, lr=0.7, momentum=0.9, nesterov=True).param_groups[0]
+    assert (outer["lr"], outer["momentum"], outer["nesterov"]) == (1.0, 0.0, False)
+    other = torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True).param_groups[0]
+    assert (other["lr"], other["momentum"], other["nesterov"]) == (0.1, 0.9, True)
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": s, "loss": float(s)}) + "\n" for s in range(1, 11)) + '{"step": 11')
+    assert script.last_mean([script.losses(metrics), {s: 0.0 for s in range(6, 11)}], 10) == 4.0

@@ -55,3 +55,34 @@ def test_job_identity_from_torchruns_arguments():
                       "--node-rank=0", "-m", "trainer.train"])
     assert job_identity(two) == "run7@10.0.0.1:29500"
     assert job_identity(parse_args(["--standalone", "--nnodes=1", "-m", "trainer.train"])) is None
+
+
+def test_the_lock_stays_while_any_part_of_the_job_runs(tmp_path):
+    """The part that took the job's lock ends first (e.g. replica group 0): the others still hold it, another
+    job is still refused, and the last part to end removes it; a dead part's holder file does not keep it."""
+    from trainer.runlock import HOLDERS_DIR
+
+    first = RunLock(tmp_path, 300, job=JOB).acquire()
+    second = RunLock(tmp_path, 300, job=JOB).acquire()
+    assert first.held and second.joined
+    first.release()  # the taker ends first: its pid is still this one, so fake a dead taker
+    info = json.loads((tmp_path / LOCK_FILE).read_text())
+    (tmp_path / LOCK_FILE).write_text(json.dumps({**info, "pid": 2 ** 22 + 7, "heartbeat": 0}))
+    try:
+        with pytest.raises(RunLockedError, match="in use by another run"):
+            RunLock(tmp_path, 300, job="other@10.0.0.9:29500").acquire()
+        third = RunLock(tmp_path, 300, job=JOB).acquire()  # a restarted part of the job joins
+        assert third.joined
+        third.release()
+        assert (tmp_path / LOCK_FILE).exists()
+    finally:
+        second.release()
+    assert not (tmp_path / LOCK_FILE).exists()
+    # A holder that died (its heartbeat long gone) does not keep a dead taker's lock.
+    first = RunLock(tmp_path, 300, job=JOB).acquire()
+    dead = tmp_path / HOLDERS_DIR / "gone-1.json"
+    dead.write_text(json.dumps({"host": "gone", "pid": 1, "job": JOB, "heartbeat": 0}))
+    old = time.time() - 3600
+    os.utime(dead, (old, old))
+    first.release()
+    assert not (tmp_path / LOCK_FILE).exists() and not dead.exists()
