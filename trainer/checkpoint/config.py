@@ -30,8 +30,9 @@ class Checkpoint:
     keep_latest_k: int = 10
     """Keep this many newest full checkpoints of the run (over all its launches) and delete older ones; 0 keeps all."""
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
-    """Save in the background: async copies state to CPU then writes in another thread; with pinned
-    memory the copy uses reusable pinned buffers."""
+    """Save in the background: async copies the state to CPU memory in a background thread (the next
+    optimizer step waits for the copy) then writes it in another thread; with pinned memory the copy uses
+    reusable pinned buffers."""
     last_save_model_only: bool = True
     """The final checkpoint holds only model weights (no optimizer state)."""
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -58,8 +59,8 @@ class Checkpoint:
     """Checksum of every checkpoint file, computed while it is written and recorded in the commit marker
     (xxh3_128 needs the xxhash package; none records sizes only)."""
     verify_on_load: bool = True
-    """Verify the checksums before loading a checkpoint; a mismatch refuses it as corrupt and the previous
-    checkpoint is loaded instead."""
+    """Verify the checksums when loading a checkpoint (from the bytes the load reads); a mismatch refuses
+    it as corrupt and the previous checkpoint is loaded instead."""
     start_fresh_if_unloadable: bool = False
     """When the checkpoint folder holds checkpoints and none can be loaded, start from step 0 anyway
     (nothing is deleted) instead of stopping with exit code 3."""

@@ -2,9 +2,11 @@
 ``checkpoint.initial_load_path`` (a checkpoint, or a Hugging Face folder).
 
 Rank 0 decides which checkpoints to try (it scans the folder and reports what it finds); every rank
-then verifies the checksums of its share of the checkpoint's files and loads with no collectives besides
-DCP's own, and all ranks agree on the outcome before anything else happens: on damage (a checksum
-mismatch, a missing file, a read error) the previous checkpoint is tried, on a checkpoint that does not
+then loads with no collectives besides DCP's own, verifying the checksums of its share of the
+checkpoint's files from the bytes DCP reads (:func:`trainer.checkpoint.integrity.verifying_filesystem`; no
+second read), and all ranks agree on the outcome before anything but the tensors DCP reads in place is
+restored: on damage (a checksum mismatch, a missing file, a read error) the previous checkpoint is loaded
+over it, on a checkpoint that does not
 fit this run's config the run stops with the cause and a way out. When the folder holds checkpoints and
 none can be loaded the run stops (exit 3) listing each with its reason, unless
 ``checkpoint.start_fresh_if_unloadable`` says to start from scratch.
@@ -23,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint.agree import ERRORS, Collectives, attempt, format_exception
-from trainer.checkpoint.integrity import share, verify_files
+from trainer.checkpoint.integrity import check_digest, share, verify_files, verifying_filesystem
 from trainer.checkpoint.layout import (
     DCP_METADATA,
     MARKER,
@@ -43,6 +45,10 @@ from trainer.models.hf import load_hf_weights
 from trainer.parallel import clean_fqn
 
 logger = logging.getLogger("trainer")
+
+
+class _Corrupt(Exception):
+    """A checkpoint's files do not match the checksums of its commit marker (found while loading it)."""
 
 
 class _Incompatible(Exception):
@@ -107,6 +113,25 @@ def _flat_optimizer(keys: set[str]) -> bool:
 
 def _present(prefix: str, keys: set[str]) -> bool:
     return prefix in keys or any(k.startswith(prefix + ".") for k in keys)
+
+
+def _verifying_reader(path: Path, algo: str, names: set[str]):
+    """A DCP ``FileSystemReader`` of ``path`` that reads each file's items in the order they lie on disk
+    and hashes the files of ``names`` from the bytes it reads. Returns (reader, ``{name: (size, digest)}``,
+    filled as the files are closed)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class _Reader(FileSystemReader):
+        def prepare_local_plan(self, plan):
+            def where(item):
+                info = self.storage_data[item.storage_index]
+                return info.relative_path, info.offset
+
+            return dataclasses.replace(plan, items=sorted(plan.items, key=where))
+
+    reader = _Reader(str(path))
+    reader.fs, hashed = verifying_filesystem(reader.fs, algo, names)
+    return reader, hashed
 
 
 class Loader:
@@ -215,14 +240,21 @@ class Loader:
             return report, None, False
         except _Incompatible as e:
             return {}, str(e), True
+        except _Corrupt as e:
+            return {}, f"CORRUPT: {c.path.name}/{e}", False
         except ERRORS as e:
             logger.debug("loading %s failed:\n%s", c.path, traceback.format_exc())
             return {}, format_exception(e), False
 
+    def _verifies(self, marker: dict) -> bool:
+        return self.cfg.verify_on_load and marker.get("checksum", "none") != "none"
+
     def _verify(self, c: CheckpointInfo) -> str | None:
-        """This rank's share of ``c``'s files re-hashed against the marker's checksums; the reason if one
-        fails (all ranks then agree on it before anything is read into the model)."""
-        if not self.cfg.verify_on_load or c.marker.get("checksum", "none") == "none":
+        """Before reading: this rank's share of ``c``'s files re-hashed against the marker's checksums; the
+        reason if one fails (all ranks then agree on it before anything is read into the model). Only with
+        checkpoint.start_fresh_if_unloadable, which needs the model untouched by a corrupt checkpoint;
+        otherwise the files are verified from the bytes the load reads (:meth:`_read`)."""
+        if not self._verifies(c.marker) or not self.cfg.start_fresh_if_unloadable:
             return None
         mine = share(list(c.marker.get("files") or {}), self.comm.rank, self.comm.world)
         bad, error = attempt(f"verifying {c.path}", verify_files, c.path, c.marker, mine)
@@ -257,7 +289,9 @@ class Loader:
                              "" if explicit else "; trying the previous one")
             if explicit:
                 break
-        if explicit or self.comm.any(self._touched):
+        # Starting from scratch needs the initial weights: not when a failed load wrote into them (with
+        # that option checksums are checked before reading, so only a read error gets here).
+        if explicit or (self.cfg.start_fresh_if_unloadable and self.comm.any(self._touched)):
             raise CheckpointError("no checkpoint could be loaded: " + "; ".join(errors) +
                                   ". Move the folder aside to start from scratch, or pick one with "
                                   "checkpoint.load_step")
@@ -280,7 +314,7 @@ class Loader:
             want &= {"model", "train_state"}
         if not restore_train_state:
             want &= {"model", "optimizer"}
-        state = self._read(path, want)
+        state = self._read(path, want, marker)
         loader_state = None
         if "dataloader" in want and marker.get("dataloader"):
             f = path / marker["dataloader"]
@@ -294,8 +328,10 @@ class Loader:
         return {"restored": restored, "rng": "rng" in state, "seconds": time.perf_counter() - t0,
                 "lr_scheduler": state.get("lr_scheduler")}
 
-    def _read(self, path: Path, want: set[str]) -> dict[str, Any]:
-        """The DCP entries of ``want`` that ``path`` holds, read into this run's (sharded) state."""
+    def _read(self, path: Path, want: set[str], marker: dict | None = None) -> dict[str, Any]:
+        """The DCP entries of ``want`` that ``path`` holds, read into this run's (sharded) state; with
+        checksums (``marker``'s, when verify_on_load) this rank's share of the files is verified from the
+        bytes DCP reads, and :class:`_Corrupt` raised on a mismatch before anything else is restored."""
         import torch.distributed.checkpoint as dcp
 
         c = self.components
@@ -338,8 +374,28 @@ class Loader:
         if "rng" in want and _present(rng_key, keys):
             state["rng"] = {f"rank_{self.comm.rank}": {k: v for k, v in c.rng_state().items()
                                                        if f"{rng_key}.{k}" in keys}}
-        if state:
-            dcp.load(state, checkpoint_id=str(path), process_group=self.comm.pg)
+        verify = marker is not None and self._verifies(marker) and not self.cfg.start_fresh_if_unloadable
+        if not verify:
+            if state:
+                dcp.load(state, checkpoint_id=str(path), process_group=self.comm.pg)
+            return state
+        mine = share(list(marker.get("files") or {}), self.comm.rank, self.comm.world)
+        reader, hashed = _verifying_reader(path, marker["checksum"], set(mine))
+        try:
+            if state:
+                dcp.load(state, checkpoint_id=str(path), storage_reader=reader, process_group=self.comm.pg)
+        except ERRORS:
+            bad = verify_files(path, marker, mine)  # a damaged file can break the read itself: say which
+            if bad:
+                raise _Corrupt(bad) from None
+            raise
+        for name in mine:
+            if name in hashed:
+                bad = check_digest(name, marker, *hashed[name])
+            else:  # not opened by this rank's reads (another rank's shards, the sidecars): read it now
+                bad = verify_files(path, marker, [name])
+            if bad:
+                raise _Corrupt(bad)
         return state
 
     def _apply(self, state: dict, callbacks_state: Any, loader_state: Any) -> None:
@@ -423,7 +479,7 @@ class Loader:
         if not model_only:
             self._load_first([chosen], explicit=True)
             return
-        reasons = self.comm.agree(self._verify(chosen))  # checksums first: nothing read from a damaged one
+        reasons = self.comm.agree(self._verify(chosen))
         if not reasons:
             error = None
             try:
@@ -431,6 +487,8 @@ class Loader:
                                       restore_train_state=False)
             except _Incompatible as e:  # weights of another model: said as such, not as an exception type
                 error = str(e)
+            except _Corrupt as e:
+                error = f"CORRUPT: {chosen.path.name}/{e}"
             except ERRORS as e:
                 logger.debug("loading %s failed:\n%s", chosen.path, traceback.format_exc())
                 error = format_exception(e)

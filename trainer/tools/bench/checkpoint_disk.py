@@ -197,12 +197,13 @@ def _one_setting(config, model, optimizer, folder: Path, repeats: int, first_ste
         s["raw_write_s"].append(raw_write(raw, nbytes))
         s["raw_read_s"].append(raw_read(raw))
         raw.unlink()
-        # Verification alone (trainer checkpoint verify), then a load, each from the disk.
-        drop_cache(path)
-        bad, t = _timed(lambda: verify_files(path, marker))
-        if bad:
-            raise RuntimeError(f"verification of {path} failed: {bad}")
-        s["verify_s"].append(t)
+        # Verification alone (trainer checkpoint verify; with checksums), then a load, each from the disk.
+        if marker.get("checksum", "none") != "none":
+            drop_cache(path)
+            bad, t = _timed(lambda: verify_files(path, marker))
+            if bad:
+                raise RuntimeError(f"verification of {path} failed: {bad}")
+            s["verify_s"].append(t)
         drop_cache(path)
         _, t = _timed(manager.load)
         if manager.loaded_step != step:
@@ -233,11 +234,11 @@ def _summary(s: dict[str, list[float]]) -> dict[str, Any]:
     w, r = size / med(s["raw_write_s"]), size / med(s["raw_read_s"])
     out: dict[str, Any] = {"checkpoint_bytes": size, "raw_write_gb_per_s": w / 1e9, "raw_read_gb_per_s": r / 1e9}
     for key in ("sync_save_s", "async_blocking_s", "async_staged_s", "async_commit_s", "load_s", "verify_s"):
-        out[key] = med(s[key])
+        out[key] = med(s[key]) if s[key] else None
     out["save_vs_raw_write"] = size / out["sync_save_s"] / w
     out["async_commit_vs_raw_write"] = size / out["async_commit_s"] / w
     out["load_vs_raw_read"] = size / out["load_s"] / r
-    out["verify_vs_raw_read"] = size / out["verify_s"] / r
+    out["verify_vs_raw_read"] = size / out["verify_s"] / r if out["verify_s"] else None  # checksums off: sizes only
     out["async_block_fraction"] = out["async_blocking_s"] / out["sync_save_s"]
     out["async_staged_fraction"] = out["async_staged_s"] / out["sync_save_s"]
     out["samples"] = s
@@ -254,17 +255,12 @@ def _mem_available() -> int | None:
 
 def bench_checkpoint_disk(args, overrides: list[str], workdir: str) -> dict[str, Any]:
     """Every size (``--checkpoint-sizes``) with each checksum setting; see the module's docstring."""
-    import torch.distributed as dist
-
-    from .common import _quiet, load_bench_config, single_rank_env
+    from .common import _quiet, load_bench_config
 
     small = args.steps == "small"
     sizes = (getattr(args, "checkpoint_sizes", None) or ",".join(SMALL_SIZES if small else DEFAULT_SIZES)).split(",")
     repeats = 1 if small else max(1, min(3, getattr(args, "checkpoint_repeats", 3)))
     base = Path(getattr(args, "checkpoint_folder", None) or workdir) / "checkpoint_disk"
-    if not dist.is_initialized():
-        single_rank_env()
-        dist.init_process_group("gloo")
     available = _mem_available()
     result: dict[str, Any] = {
         "folder": str(base), "page_cache_dropped": FADVISE,
@@ -333,7 +329,8 @@ def disk_rows(result: dict[str, Any]) -> list[tuple[str, Any, str, str | None]]:
                 continue
             tag = f"ckpt {size} {m['checkpoint_bytes'] / 1e6:,.0f} MB, {algo}"
             for name, key, fmt in ROW_KEYS:
-                rows.append((f"{tag}: {name}", m[key], fmt, key if key in DISK_TARGETS else None))
+                rows.append((f"{tag}: {name}", "-" if m[key] is None else m[key], fmt,
+                             key if key in DISK_TARGETS else None))
     for size, why in result.get("skipped", {}).items():
         rows.append((f"checkpoint {size}", f"skipped: {why}", "{}", None))
     return rows
