@@ -17,8 +17,10 @@ and each checksum setting (``xxh3_128``, the default, and ``none``), in one proc
 * ``verify``: :func:`trainer.checkpoint.integrity.verify_files` over the whole checkpoint (what ``trainer
   checkpoint verify`` does), cache dropped likewise.
 
-Each time is also given as a fraction of the raw bandwidth measured just before, at the same size:
-``save_vs_raw_write = (bytes / save time) / raw write bandwidth`` and ``load_vs_raw_read`` alike.
+Each time is also given as a fraction of the raw bandwidth measured around it, at the same size (raw
+writes just before and after each save, raw reads before the verify and after the load; a shared
+machine's disk changes from minute to minute): ``save_vs_raw_write = (bytes / save time) / raw write
+bandwidth`` and ``load_vs_raw_read`` alike, medians over the repeats of each repeat's ratio.
 Sizes whose checkpoint (twice: the live state and the background save's copy) would take more than
 60% of the memory available are skipped, and the results say so.
 """
@@ -169,46 +171,68 @@ def _timed(fn) -> tuple[Any, float]:
     return out, time.perf_counter() - t0
 
 
+def _state_bytes(model, optimizer) -> int:
+    """Bytes of the tensors a full checkpoint holds (the raw files are written at this size)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for st in optimizer.state.values():
+        total += sum(v.numel() * v.element_size() for v in st.values() if isinstance(v, torch.Tensor))
+    return total
+
+
 def _one_setting(config, model, optimizer, folder: Path, repeats: int, first_step: int) -> dict[str, list[float]]:
-    """Save (sync, async), load and verify a checkpoint ``repeats`` times, with the raw disk figures of the
-    same size measured just before each repeat."""
+    """Save (sync, async), load and verify a checkpoint ``repeats`` times. Each save is bracketed by two raw
+    writes of the same size, each verify and load by two raw reads (a shared machine's disk changes from
+    minute to minute): a repeat's ratio compares an operation with the mean of the raw figures around it."""
     import json
 
     from trainer.checkpoint.integrity import verify_files
     from trainer.checkpoint.layout import MARKER
 
     s: dict[str, list[float]] = {k: [] for k in (
-        "bytes", "raw_write_s", "raw_read_s", "sync_save_s", "async_blocking_s", "async_staged_s",
-        "async_commit_s", "load_s", "verify_s")}
+        "bytes", "raw_bytes", "raw_write_s", "raw_read_s", "sync_save_s", "async_blocking_s", "async_staged_s",
+        "async_commit_s", "load_s", "verify_s", "save_vs_raw_write", "load_vs_raw_read", "verify_vs_raw_read",
+        "async_commit_vs_raw_write")}
     manager = _manager(config, model, optimizer)
     step = first_step
     raw = folder.parent / "raw.bin"
+    raw_bytes = _state_bytes(model, optimizer)
     for _ in range(repeats):
-        # Synchronous save.
+        s["raw_bytes"].append(raw_bytes)
+        # Synchronous save between two raw writes.
+        w0 = raw_write(raw, raw_bytes)
         ok, t = _timed(lambda: manager.save(step, asynchronous=False))
         if not ok:
             raise RuntimeError(f"checkpoint save of step {step} failed (see the log)")
+        w1 = raw_write(raw, raw_bytes)
         path = manager.folder / f"step-{step}"
         marker = json.loads((path / MARKER).read_text())
         nbytes = marker["bytes"]
+        raw_w = (w0 + w1) / 2
         s["sync_save_s"].append(t)
         s["bytes"].append(nbytes)
-        # The raw disk, at the same size, now (a shared machine's load changes from minute to minute).
-        s["raw_write_s"].append(raw_write(raw, nbytes))
-        s["raw_read_s"].append(raw_read(raw))
-        raw.unlink()
-        # Verification alone (trainer checkpoint verify; with checksums), then a load, each from the disk.
+        s["raw_write_s"].append(raw_w)
+        s["save_vs_raw_write"].append((nbytes / t) / (raw_bytes / raw_w))
+        # Verification alone (trainer checkpoint verify; with checksums) and a load, between two raw reads,
+        # each from the disk.
+        r0 = raw_read(raw)
+        v = None
         if marker.get("checksum", "none") != "none":
             drop_cache(path)
-            bad, t = _timed(lambda: verify_files(path, marker))
+            bad, v = _timed(lambda: verify_files(path, marker))
             if bad:
                 raise RuntimeError(f"verification of {path} failed: {bad}")
-            s["verify_s"].append(t)
         drop_cache(path)
         _, t = _timed(manager.load)
         if manager.loaded_step != step:
             raise RuntimeError(f"loading {manager.folder} gave step {manager.loaded_step}, not {step}")
+        r1 = raw_read(raw)
+        raw_r = (r0 + r1) / 2
+        s["raw_read_s"].append(raw_r)
         s["load_s"].append(t)
+        s["load_vs_raw_read"].append((nbytes / t) / (raw_bytes / raw_r))
+        if v is not None:
+            s["verify_s"].append(v)
+            s["verify_vs_raw_read"].append((nbytes / v) / (raw_bytes / raw_r))
         shutil.rmtree(path)
         # Asynchronous save: blocking, staged (the state may change), committed.
         step += 1
@@ -220,27 +244,28 @@ def _one_setting(config, model, optimizer, folder: Path, repeats: int, first_ste
         s["async_staged_s"].append(time.perf_counter() - t0)
         manager.finish()
         s["async_commit_s"].append(time.perf_counter() - t0)
+        s["async_commit_vs_raw_write"].append((nbytes / s["async_commit_s"][-1]) / (raw_bytes / raw_w))
         if step not in manager.saver.committed_steps:
             raise RuntimeError(f"background checkpoint save of step {step} failed (see the log)")
         shutil.rmtree(manager.folder / f"step-{step}")
+        raw.unlink()
         step += 1
     manager.finish()
     return s
 
 
 def _summary(s: dict[str, list[float]]) -> dict[str, Any]:
+    """Medians over the repeats (of each repeat's ratio, for the ratios)."""
     med = statistics.median
     size = med(s["bytes"])
-    w, r = size / med(s["raw_write_s"]), size / med(s["raw_read_s"])
-    out: dict[str, Any] = {"checkpoint_bytes": size, "raw_write_gb_per_s": w / 1e9, "raw_read_gb_per_s": r / 1e9}
-    for key in ("sync_save_s", "async_blocking_s", "async_staged_s", "async_commit_s", "load_s", "verify_s"):
-        out[key] = med(s[key]) if s[key] else None
-    out["save_vs_raw_write"] = size / out["sync_save_s"] / w
-    out["async_commit_vs_raw_write"] = size / out["async_commit_s"] / w
-    out["load_vs_raw_read"] = size / out["load_s"] / r
-    out["verify_vs_raw_read"] = size / out["verify_s"] / r if out["verify_s"] else None  # checksums off: sizes only
-    out["async_block_fraction"] = out["async_blocking_s"] / out["sync_save_s"]
-    out["async_staged_fraction"] = out["async_staged_s"] / out["sync_save_s"]
+    out: dict[str, Any] = {"checkpoint_bytes": size,
+                           "raw_write_gb_per_s": med(s["raw_bytes"]) / med(s["raw_write_s"]) / 1e9,
+                           "raw_read_gb_per_s": med(s["raw_bytes"]) / med(s["raw_read_s"]) / 1e9}
+    for key in ("sync_save_s", "async_blocking_s", "async_staged_s", "async_commit_s", "load_s", "verify_s",
+                "save_vs_raw_write", "async_commit_vs_raw_write", "load_vs_raw_read", "verify_vs_raw_read"):
+        out[key] = med(s[key]) if s[key] else None  # no verify rows with checksums off (sizes only)
+    out["async_block_fraction"] = med(b / t for b, t in zip(s["async_blocking_s"], s["sync_save_s"]))
+    out["async_staged_fraction"] = med(b / t for b, t in zip(s["async_staged_s"], s["sync_save_s"]))
     out["samples"] = s
     return out
 
