@@ -159,3 +159,24 @@ def test_bench_checkpoint_table_has_every_row(tmp_path):
     assert "sync save / raw write" in table and "target >= 0.7" in table and "target <= 0.05" in table
     assert "checkpoint llama3_405b" in table and "skipped" in table
     assert not list(Path(tmp_path).glob("checkpoint_disk/*"))  # cleaned up
+
+
+def test_save_threads_write_a_file_each_and_load(tmp_path):
+    """checkpoint.save_threads = 2: two data files for the rank, both checksummed, loaded and verified."""
+    model, optimizer = _trained_like()
+    manager = checkpoint_disk._manager(_config(tmp_path, "--checkpoint.save_threads", "2"), model, optimizer)
+    assert manager.save(1)
+    marker = json.loads((tmp_path / "checkpoint" / "step-1" / "checkpoint.json").read_text())
+    data = sorted(n for n in marker["files"] if n.endswith(".distcp"))
+    assert data == ["__0_0.distcp", "__0_1.distcp"] and all(marker["files"][n]["checksum"] for n in data)
+    flip_byte(tmp_path / "checkpoint" / "step-1" / "__0_1.distcp", 2000)
+    assert manager.save(2)
+    manager.load()
+    assert manager.loaded_step == 2
+    import shutil
+
+    shutil.rmtree(tmp_path / "checkpoint" / "step-2")
+    from trainer.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="CORRUPT: step-1/__0_1.distcp"):
+        manager.load()

@@ -58,6 +58,10 @@ class Checkpoint:
     checksum: Literal["xxh3_128", "sha256", "none"] = _DEFAULT_CHECKSUM
     """Checksum of every checkpoint file, computed while it is written and recorded in the commit marker
     (xxh3_128 needs the xxhash package; none records sizes only)."""
+    save_threads: int = 1
+    """Writer threads per rank (DCP FileSystemWriter thread_count): each thread writes its own file
+    (__<rank>_<i>.distcp) from a share of the rank's tensors, so that the writes, their checksums and fsyncs
+    overlap; more can help on parallel filesystems (Lustre, GPFS) and fast NVMe, not on a slow local disk."""
     verify_on_load: bool = True
     """Verify the checksums when loading a checkpoint (from the bytes the load reads); a mismatch refuses
     it as corrupt and the previous checkpoint is loaded instead."""
@@ -99,7 +103,7 @@ SECTION_DOC = {"checkpoint": "Saving and resuming (DCP)."}
 
 def check_config(config) -> None:
     cfg = config.checkpoint
-    for key in ("interval", "max_failed_saves", "timeout_seconds", "preemption_check_steps"):
+    for key in ("interval", "max_failed_saves", "timeout_seconds", "preemption_check_steps", "save_threads"):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"checkpoint.{key} must be >= 1, got {getattr(cfg, key)}")
     if cfg.keep_latest_k < 0:

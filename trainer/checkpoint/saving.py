@@ -264,7 +264,8 @@ class Saver:
             self._writer_cls = _make_writer_class()
         fail = step in self.cfg.drill_fail_save_steps and self.comm.rank == self.comm.world - 1
         delay = self.cfg.drill_save_delay_s if self.comm.rank == 0 else 0.0
-        return self._writer_cls(str(tmp), delay_s=delay, fail=fail, checksum=self.cfg.checksum)
+        return self._writer_cls(str(tmp), delay_s=delay, fail=fail, checksum=self.cfg.checksum,
+                                thread_count=self.cfg.save_threads)
 
     # ----------------------------------------------------------------------------------------------
     # Background saves
