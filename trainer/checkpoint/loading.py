@@ -15,6 +15,7 @@ none can be loaded the run stops (exit 3) listing each with its reason, unless
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import logging
 import math
@@ -23,6 +24,8 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from trainer.checkpoint.agree import ERRORS, Collectives, attempt, format_exception
 from trainer.checkpoint.integrity import check_digest, share, verify_files, verifying_filesystem
@@ -115,11 +118,88 @@ def _present(prefix: str, keys: set[str]) -> bool:
     return prefix in keys or any(k.startswith(prefix + ".") for k in keys)
 
 
+class _Slice(io.RawIOBase):
+    """The bytes [offset, offset + length) of a stream, as a stream of their own (one DCP item)."""
+
+    def __init__(self, stream, offset: int, length: int):
+        self.stream, self.offset, self.length = stream, offset, length
+        self.pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = pos if whence == io.SEEK_SET else (self.pos + pos if whence == io.SEEK_CUR else self.length + pos)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, b) -> int:
+        view = memoryview(b).cast("B")[:max(0, self.length - self.pos)]
+        if not len(view):
+            return 0
+        self.stream.seek(self.offset + self.pos)
+        n = self.stream.readinto(view) or 0
+        self.pos += n
+        return n
+
+
+def _read_into(item: _Slice, req, target) -> bool:
+    """Read a whole stored tensor's bytes straight into ``target`` (a contiguous CPU tensor of the same dtype
+    and shape), skipping ``torch.load``'s own buffer and the copy out of it. False, with nothing read into
+    ``target``, when the item is not such a tensor (a shard of it, another dtype, another device)."""
+    if target.device.type != "cpu" or not target.is_contiguous() or any(req.storage_offsets):
+        return False
+    item.seek(0)
+    meta = torch.load(item, map_location="meta", weights_only=True)  # the zip's directory and header only
+    offset = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
+    if (offset is None or not isinstance(meta, torch.Tensor) or meta.dtype != target.dtype
+            or tuple(meta.shape) != tuple(target.shape) or tuple(req.lengths) != tuple(meta.shape)
+            or not meta.is_contiguous() or meta.storage_offset() != 0):
+        return False
+    dst = memoryview(target.view(-1).view(torch.uint8).numpy())
+    item.seek(offset)
+    done = 0
+    while done < len(dst):
+        n = item.readinto(dst[done:])
+        if not n:
+            raise OSError(f"{item.length}-byte item ends before its {len(dst)}-byte tensor (the file is truncated)")
+        done += n
+    return True
+
+
+def _read_item(stream, info, req, planner) -> None:
+    """One DCP read request: bytes to the planner, a tensor read into its place in the live state."""
+    from torch.distributed.checkpoint.planner import LoadItemType
+
+    item = _Slice(stream, info.offset, info.length)
+    if req.type == LoadItemType.BYTE_IO:
+        planner.load_bytes(req, io.BytesIO(item.read()))
+        return
+    target = planner.resolve_tensor(req).detach()
+    if not _read_into(item, req, target):
+        item.seek(0)
+        tensor = torch.load(item, map_location="cpu", weights_only=True)
+        for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+            if length < tensor.size(dim):
+                tensor = tensor.narrow(dim, start, length)
+        if tensor.size() != target.size():
+            raise CheckpointError(f"{req.storage_index.fqn}: stored {tuple(tensor.size())}, expected "
+                                  f"{tuple(target.size())}")
+        target.copy_(tensor)
+    planner.commit_tensor(req, target)
+
+
 def _verifying_reader(path: Path, algo: str, names: set[str]):
-    """A DCP ``FileSystemReader`` of ``path`` that reads each file's items in the order they lie on disk
-    and hashes the files of ``names`` from the bytes it reads. Returns (reader, ``{name: (size, digest)}``,
-    filled as the files are closed)."""
+    """A DCP ``FileSystemReader`` of ``path`` that reads each file's items in the order they lie on disk,
+    whole tensors straight into the live state, and hashes the files of ``names`` from the bytes it reads.
+    Returns (reader, ``{name: (size, digest)}``, filled as the files are closed)."""
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.futures import Future
 
     class _Reader(FileSystemReader):
         def prepare_local_plan(self, plan):
@@ -128,6 +208,20 @@ def _verifying_reader(path: Path, algo: str, names: set[str]):
                 return info.relative_path, info.offset
 
             return dataclasses.replace(plan, items=sorted(plan.items, key=where))
+
+        def read_data(self, plan, planner):
+            if any(self.storage_data[r.storage_index].transform_descriptors for r in plan.items):
+                return super().read_data(plan, planner)  # compressed or otherwise transformed: DCP's own way
+            by_file: dict[str, list] = {}
+            for req in plan.items:
+                by_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+            for name, reqs in by_file.items():
+                with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
+                    for req in reqs:
+                        _read_item(stream, self.storage_data[req.storage_index], req, planner)
+            done: Future = Future()
+            done.set_result(None)
+            return done
 
     reader = _Reader(str(path))
     reader.fs, hashed = verifying_filesystem(reader.fs, algo, names)
