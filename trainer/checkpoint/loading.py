@@ -156,8 +156,10 @@ def _read_into(item: _Slice, req, target) -> bool:
         return False
     item.seek(0)
     meta = torch.load(item, map_location="meta", weights_only=True)  # the zip's directory and header only
+    if not isinstance(meta, torch.Tensor):
+        return False
     offset = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
-    if (offset is None or not isinstance(meta, torch.Tensor) or meta.dtype != target.dtype
+    if (offset is None or meta.dtype != target.dtype
             or tuple(meta.shape) != tuple(target.shape) or tuple(req.lengths) != tuple(meta.shape)
             or not meta.is_contiguous() or meta.storage_offset() != 0):
         return False
@@ -469,17 +471,13 @@ class Loader:
             state["rng"] = {f"rank_{self.comm.rank}": {k: v for k, v in c.rng_state().items()
                                                        if f"{rng_key}.{k}" in keys}}
         verify = marker is not None and self._verifies(marker) and not self.cfg.start_fresh_if_unloadable
-        if not verify:
-            if state:
-                dcp.load(state, checkpoint_id=str(path), process_group=self.comm.pg)
-            return state
-        mine = share(list(marker.get("files") or {}), self.comm.rank, self.comm.world)
-        reader, hashed = _verifying_reader(path, marker["checksum"], set(mine))
+        mine = share(list(marker.get("files") or {}), self.comm.rank, self.comm.world) if verify else []
+        reader, hashed = _verifying_reader(path, marker["checksum"] if verify else "none", set(mine))
         try:
             if state:
                 dcp.load(state, checkpoint_id=str(path), storage_reader=reader, process_group=self.comm.pg)
         except ERRORS:
-            bad = verify_files(path, marker, mine)  # a damaged file can break the read itself: say which
+            bad = verify_files(path, marker, mine) if verify else None  # a damaged file can break the read
             if bad:
                 raise _Corrupt(bad) from None
             raise
