@@ -83,8 +83,9 @@ _crc_saved: bool | None = None
 def without_zip_crc32():
     """DCP writes each tensor as a small ``torch.save`` zip, whose CRC-32 per record costs as much CPU as the
     disk takes to write the bytes, and ``torch.load`` never checks it. The checkpoint's own checksum (hashed
-    while writing) covers every byte of every file, so while our writers run the CRC is not computed (a
-    process-wide torch setting: restored when the last concurrent save finishes)."""
+    while writing) covers every byte of every file, so while our writers run the CRC is not computed (with
+    checksum none too: nothing reads it). A process-wide torch setting: restored when the last concurrent
+    save finishes."""
     global _crc_users, _crc_saved
     try:
         from torch.utils.serialization import config as serialization_config
