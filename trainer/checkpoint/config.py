@@ -30,8 +30,9 @@ class Checkpoint:
     keep_latest_k: int = 10
     """Keep this many newest full checkpoints of the run (over all its launches) and delete older ones; 0 keeps all."""
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
-    """Save in the background: async copies state to CPU then writes in another thread; with pinned
-    memory the copy uses reusable pinned buffers."""
+    """Save in the background: async copies the state to CPU memory in a background thread (the next
+    optimizer step waits for the copy) then writes it in another thread; with pinned memory the copy uses
+    reusable pinned buffers."""
     last_save_model_only: bool = True
     """The final checkpoint holds only model weights (no optimizer state)."""
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -57,9 +58,13 @@ class Checkpoint:
     checksum: Literal["xxh3_128", "sha256", "none"] = _DEFAULT_CHECKSUM
     """Checksum of every checkpoint file, computed while it is written and recorded in the commit marker
     (xxh3_128 needs the xxhash package; none records sizes only)."""
+    save_threads: int = 1
+    """Writer threads per rank (DCP FileSystemWriter thread_count): each thread writes its own file
+    (__<rank>_<i>.distcp) from a share of the rank's tensors, so that the writes, their checksums and fsyncs
+    overlap; more can help on parallel filesystems (Lustre, GPFS) and fast NVMe, not on a slow local disk."""
     verify_on_load: bool = True
-    """Verify the checksums before loading a checkpoint; a mismatch refuses it as corrupt and the previous
-    checkpoint is loaded instead."""
+    """Verify the checksums when loading a checkpoint (from the bytes the load reads); a mismatch refuses
+    it as corrupt and the previous checkpoint is loaded instead."""
     start_fresh_if_unloadable: bool = False
     """When the checkpoint folder holds checkpoints and none can be loaded, start from step 0 anyway
     (nothing is deleted) instead of stopping with exit code 3."""
@@ -99,7 +104,7 @@ SECTION_DOC = {"checkpoint": "Saving and resuming (DCP)."}
 
 def check_config(config) -> None:
     cfg = config.checkpoint
-    for key in ("interval", "max_failed_saves", "timeout_seconds", "preemption_check_steps"):
+    for key in ("interval", "max_failed_saves", "timeout_seconds", "preemption_check_steps", "save_threads"):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"checkpoint.{key} must be >= 1, got {getattr(cfg, key)}")
     if cfg.keep_latest_k < 0:

@@ -7,8 +7,11 @@ wrote itself (``.metadata``, ``dataloader.json``) and records them all in ``chec
     "checksum": "xxh3_128",
     "files": {"__0_0.distcp": {"size": 1234, "checksum": "9f..."}, ".metadata": {...}, ...}
 
-Loading re-hashes the files (each rank a share of them) before DCP reads anything, so a flipped bit is
-refused as corruption and the previous checkpoint is used instead. The offline readers (``trainer
+Loading hashes the files (each rank a share of them) from the bytes DCP reads while it loads them (a
+hashing stream under DCP's reader: the parts of a file DCP does not read, such as other ranks' shards,
+are read and hashed when the file is closed, and a file of the share DCP does not open is read after
+the load), and checks them before anything but the tensors DCP writes in place is restored, so a flipped
+bit is refused as corruption and the previous checkpoint is loaded over it instead. The offline readers (``trainer
 export/generate/eval``, through ``trainer.checkpoint.offline.find_checkpoint``), ``trainer checkpoint
 list`` (for the checkpoint it says a run resumes from) and ``trainer checkpoint verify`` do the same with
 :func:`verify_files`. Markers written before checksums existed (``"files": {name: size}``) are checked by size only.
@@ -22,6 +25,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import os
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -97,16 +102,28 @@ def verify_files(path: Path, marker: dict, names: list[str] | None = None) -> st
             return f"{name} is unreadable: {e}"
         except (RuntimeError, ValueError) as e:  # an algorithm this machine cannot compute
             return f"{name}: cannot verify ({e})"
-        if size is not None and actual != size:
-            return f"{name} has {actual} bytes, {size} were written"
-        if digest != checksum:
-            return f"{name} fails its {algo} checksum (recorded {checksum}, now {digest}): its content changed"
+        bad = check_digest(name, marker, actual, digest)
+        if bad:
+            return bad
     return None
 
 
+_WRITER = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
 def share(names: list[str], rank: int, world: int) -> list[str]:
-    """This rank's share of the files to verify (the biggest work split evenly over ranks)."""
-    return [n for i, n in enumerate(sorted(names)) if i % world == rank]
+    """This rank's share of the files to verify: every file exactly once over the ranks. A rank's data files
+    (``__<k>_<i>.distcp``, written by rank k) go to rank k mod ``world``, which under an unchanged layout is
+    the rank that reads them (so it verifies them from the bytes it reads); the other files round-robin."""
+    mine, others = [], []
+    for n in sorted(names):
+        m = _WRITER.match(n)
+        if m is not None:
+            if int(m[1]) % world == rank:
+                mine.append(n)
+        else:
+            others.append(n)
+    return mine + [n for i, n in enumerate(others) if i % world == rank]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -168,3 +185,129 @@ def hashing_filesystem(fs, algo: str):
 
     fs.create_stream = create_stream
     return fs, sums
+
+
+# --------------------------------------------------------------------------------------------------
+# Hashing while DCP reads
+# --------------------------------------------------------------------------------------------------
+
+GAP = 64 << 10  # bytes skipped by a reader (zip headers, padding) that are read and hashed to keep going
+PENDING = 1 << 20  # bytes read ahead of the hashed prefix (zip directories) kept until the prefix reaches them
+
+
+class _HashingReader(io.RawIOBase):
+    """A read stream that hashes the file it reads from the beginning, in order, whatever order the reads come
+    in: bytes at the hashed prefix's end extend it; a small jump ahead is bridged by reading the gap; small
+    reads further ahead are kept until the prefix reaches them; everything else is read at :meth:`finish`."""
+
+    def __init__(self, raw, hasher):
+        self.raw = raw
+        self.hasher = hasher
+        self.pos = raw.tell()
+        self.done = 0  # bytes [0, done) are hashed
+        self.pending: dict[int, bytes] = {}
+        self.pending_bytes = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = self.raw.seek(offset, whence)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def readinto(self, b) -> int:
+        n = self.raw.readinto(b)
+        if n:
+            self._seen(self.pos, memoryview(b).cast("B")[:n])
+            self.pos += n
+        return n
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.raw.read(size)
+        if data:
+            self._seen(self.pos, memoryview(data))
+            self.pos += len(data)
+        return data
+
+    def _pread(self, start: int, end: int) -> memoryview:
+        data = os.pread(self.raw.fileno(), end - start, start)
+        if len(data) != end - start:
+            raise OSError(f"short read at byte {start} (the file shrank while it was read)")
+        return memoryview(data)
+
+    def _seen(self, start: int, data: memoryview) -> None:
+        end = start + len(data)
+        if end <= self.done:
+            return
+        if start > self.done:
+            if start - self.done <= GAP:
+                self._seen(self.done, self._pread(self.done, start))
+            else:
+                if len(data) <= PENDING and self.pending_bytes + len(data) <= 8 * PENDING:
+                    self.pending[start] = bytes(data)
+                    self.pending_bytes += len(data)
+                return
+        self.hasher.update(data[self.done - start:])
+        self.done = end
+        while self.pending:
+            first = min(self.pending)
+            if first > self.done:
+                break
+            kept = self.pending.pop(first)
+            self.pending_bytes -= len(kept)
+            if first + len(kept) > self.done:
+                self.hasher.update(memoryview(kept)[self.done - first:])
+                self.done = first + len(kept)
+
+    def finish(self) -> tuple[int, str]:
+        """(size, digest) of the whole file: what was not read yet is read now."""
+        size = os.fstat(self.raw.fileno()).st_size
+        while self.done < size:
+            self._seen(self.done, self._pread(self.done, min(size, self.done + CHUNK)))
+        return size, self.hasher.hexdigest()
+
+    def close(self) -> None:  # the file itself is closed by the filesystem's context manager
+        super().close()
+
+
+def verifying_filesystem(fs, algo: str, names: set[str]):
+    """Wrap DCP's reading ``FileSystem`` so that each file of ``names`` it opens is hashed from the bytes it
+    reads (and the rest of the file when DCP closes it). Returns (the wrapped filesystem, a dict that
+    fills with ``{name: (size, digest)}``)."""
+    results: dict[str, tuple[int, str]] = {}
+    create = fs.create_stream
+
+    @contextlib.contextmanager
+    def create_stream(path, mode):
+        name = Path(path).name
+        if "r" not in mode or name not in names or name in results:
+            with create(path, mode) as stream:
+                yield stream
+            return
+        with create(path, mode) as raw:
+            stream = _HashingReader(raw, new_hasher(algo))
+            yield stream
+            results[name] = stream.finish()
+
+    fs.create_stream = create_stream
+    return fs, results
+
+
+def check_digest(name: str, marker: dict, size: int, digest: str) -> str | None:
+    """The reason ``name`` (hashed to ``size`` bytes and ``digest``) does not match ``marker``, or None."""
+    expected_size, checksum = file_entry((marker.get("files") or {}).get(name))
+    if expected_size is not None and size != expected_size:
+        return f"{name} has {size} bytes, {expected_size} were written"
+    if checksum is not None and digest != checksum:
+        return (f"{name} fails its {marker.get('checksum')} checksum (recorded {checksum}, now {digest}): its "
+                f"content changed")
+    return None

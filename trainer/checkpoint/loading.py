@@ -2,9 +2,11 @@
 ``checkpoint.initial_load_path`` (a checkpoint, or a Hugging Face folder).
 
 Rank 0 decides which checkpoints to try (it scans the folder and reports what it finds); every rank
-then verifies the checksums of its share of the checkpoint's files and loads with no collectives besides
-DCP's own, and all ranks agree on the outcome before anything else happens: on damage (a checksum
-mismatch, a missing file, a read error) the previous checkpoint is tried, on a checkpoint that does not
+then loads with no collectives besides DCP's own, verifying the checksums of its share of the
+checkpoint's files from the bytes DCP reads (:func:`trainer.checkpoint.integrity.verifying_filesystem`; no
+second read), and all ranks agree on the outcome before anything but the tensors DCP reads in place is
+restored: on damage (a checksum mismatch, a missing file, a read error) the previous checkpoint is loaded
+over it, on a checkpoint that does not
 fit this run's config the run stops with the cause and a way out. When the folder holds checkpoints and
 none can be loaded the run stops (exit 3) listing each with its reason, unless
 ``checkpoint.start_fresh_if_unloadable`` says to start from scratch.
@@ -13,6 +15,7 @@ none can be loaded the run stops (exit 3) listing each with its reason, unless
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import logging
 import math
@@ -22,8 +25,10 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from trainer.checkpoint.agree import ERRORS, Collectives, attempt, format_exception
-from trainer.checkpoint.integrity import share, verify_files
+from trainer.checkpoint.integrity import check_digest, share, verify_files, verifying_filesystem
 from trainer.checkpoint.layout import (
     DCP_METADATA,
     MARKER,
@@ -43,6 +48,10 @@ from trainer.models.hf import load_hf_weights
 from trainer.parallel import clean_fqn
 
 logger = logging.getLogger("trainer")
+
+
+class _Corrupt(Exception):
+    """A checkpoint's files do not match the checksums of its commit marker (found while loading it)."""
 
 
 class _Incompatible(Exception):
@@ -107,6 +116,118 @@ def _flat_optimizer(keys: set[str]) -> bool:
 
 def _present(prefix: str, keys: set[str]) -> bool:
     return prefix in keys or any(k.startswith(prefix + ".") for k in keys)
+
+
+class _Slice(io.RawIOBase):
+    """The bytes [offset, offset + length) of a stream, as a stream of their own (one DCP item)."""
+
+    def __init__(self, stream, offset: int, length: int):
+        self.stream, self.offset, self.length = stream, offset, length
+        self.pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = pos if whence == io.SEEK_SET else (self.pos + pos if whence == io.SEEK_CUR else self.length + pos)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, b) -> int:
+        view = memoryview(b).cast("B")[:max(0, self.length - self.pos)]
+        if not len(view):
+            return 0
+        self.stream.seek(self.offset + self.pos)
+        n = self.stream.readinto(view) or 0
+        self.pos += n
+        return n
+
+
+def _read_into(item: _Slice, req, target) -> bool:
+    """Read a whole stored tensor's bytes straight into ``target`` (a contiguous CPU tensor of the same dtype
+    and shape), skipping ``torch.load``'s own buffer and the copy out of it. False, with nothing read into
+    ``target``, when the item is not such a tensor (a shard of it, another dtype, another device)."""
+    if target.device.type != "cpu" or not target.is_contiguous() or any(req.storage_offsets):
+        return False
+    item.seek(0)
+    meta = torch.load(item, map_location="meta", weights_only=True)  # the zip's directory and header only
+    if not isinstance(meta, torch.Tensor):
+        return False
+    offset = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
+    if (offset is None or meta.dtype != target.dtype
+            or tuple(meta.shape) != tuple(target.shape) or tuple(req.lengths) != tuple(meta.shape)
+            or not meta.is_contiguous() or meta.storage_offset() != 0):
+        return False
+    dst = memoryview(target.view(-1).view(torch.uint8).numpy())
+    item.seek(offset)
+    done = 0
+    while done < len(dst):
+        n = item.readinto(dst[done:])
+        if not n:
+            raise OSError(f"{item.length}-byte item ends before its {len(dst)}-byte tensor (the file is truncated)")
+        done += n
+    return True
+
+
+def _read_item(stream, info, req, planner) -> None:
+    """One DCP read request: bytes to the planner, a tensor read into its place in the live state."""
+    from torch.distributed.checkpoint.planner import LoadItemType
+
+    item = _Slice(stream, info.offset, info.length)
+    if req.type == LoadItemType.BYTE_IO:
+        planner.load_bytes(req, io.BytesIO(item.read()))
+        return
+    target = planner.resolve_tensor(req).detach()
+    if not _read_into(item, req, target):
+        item.seek(0)
+        tensor = torch.load(item, map_location="cpu", weights_only=True)
+        for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+            if length < tensor.size(dim):
+                tensor = tensor.narrow(dim, start, length)
+        if tensor.size() != target.size():
+            raise CheckpointError(f"{req.storage_index.fqn}: stored {tuple(tensor.size())}, expected "
+                                  f"{tuple(target.size())}")
+        target.copy_(tensor)
+    planner.commit_tensor(req, target)
+
+
+def _verifying_reader(path: Path, algo: str, names: set[str]):
+    """A DCP ``FileSystemReader`` of ``path`` that reads each file's items in the order they lie on disk,
+    whole tensors straight into the live state, and hashes the files of ``names`` from the bytes it reads.
+    Returns (reader, ``{name: (size, digest)}``, filled as the files are closed)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.futures import Future
+
+    class _Reader(FileSystemReader):
+        def prepare_local_plan(self, plan):
+            def where(item):
+                info = self.storage_data[item.storage_index]
+                return info.relative_path, info.offset
+
+            return dataclasses.replace(plan, items=sorted(plan.items, key=where))
+
+        def read_data(self, plan, planner):
+            if any(self.storage_data[r.storage_index].transform_descriptors for r in plan.items):
+                return super().read_data(plan, planner)  # compressed or otherwise transformed: DCP's own way
+            by_file: dict[str, list] = {}
+            for req in plan.items:
+                by_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+            for name, reqs in by_file.items():
+                with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
+                    for req in reqs:
+                        _read_item(stream, self.storage_data[req.storage_index], req, planner)
+            done: Future = Future()
+            done.set_result(None)
+            return done
+
+    reader = _Reader(str(path))
+    reader.fs, hashed = verifying_filesystem(reader.fs, algo, names)
+    return reader, hashed
 
 
 class Loader:
@@ -215,14 +336,21 @@ class Loader:
             return report, None, False
         except _Incompatible as e:
             return {}, str(e), True
+        except _Corrupt as e:
+            return {}, f"CORRUPT: {c.path.name}/{e}", False
         except ERRORS as e:
             logger.debug("loading %s failed:\n%s", c.path, traceback.format_exc())
             return {}, format_exception(e), False
 
+    def _verifies(self, marker: dict) -> bool:
+        return self.cfg.verify_on_load and marker.get("checksum", "none") != "none"
+
     def _verify(self, c: CheckpointInfo) -> str | None:
-        """This rank's share of ``c``'s files re-hashed against the marker's checksums; the reason if one
-        fails (all ranks then agree on it before anything is read into the model)."""
-        if not self.cfg.verify_on_load or c.marker.get("checksum", "none") == "none":
+        """Before reading: this rank's share of ``c``'s files re-hashed against the marker's checksums; the
+        reason if one fails (all ranks then agree on it before anything is read into the model). Only with
+        checkpoint.start_fresh_if_unloadable, which needs the model untouched by a corrupt checkpoint;
+        otherwise the files are verified from the bytes the load reads (:meth:`_read`)."""
+        if not self._verifies(c.marker) or not self.cfg.start_fresh_if_unloadable:
             return None
         mine = share(list(c.marker.get("files") or {}), self.comm.rank, self.comm.world)
         bad, error = attempt(f"verifying {c.path}", verify_files, c.path, c.marker, mine)
@@ -257,7 +385,9 @@ class Loader:
                              "" if explicit else "; trying the previous one")
             if explicit:
                 break
-        if explicit or self.comm.any(self._touched):
+        # Starting from scratch needs the initial weights: not when a failed load wrote into them (with
+        # that option checksums are checked before reading, so only a read error gets here).
+        if explicit or (self.cfg.start_fresh_if_unloadable and self.comm.any(self._touched)):
             raise CheckpointError("no checkpoint could be loaded: " + "; ".join(errors) +
                                   ". Move the folder aside to start from scratch, or pick one with "
                                   "checkpoint.load_step")
@@ -280,7 +410,7 @@ class Loader:
             want &= {"model", "train_state"}
         if not restore_train_state:
             want &= {"model", "optimizer"}
-        state = self._read(path, want)
+        state = self._read(path, want, marker)
         loader_state = None
         if "dataloader" in want and marker.get("dataloader"):
             f = path / marker["dataloader"]
@@ -294,8 +424,10 @@ class Loader:
         return {"restored": restored, "rng": "rng" in state, "seconds": time.perf_counter() - t0,
                 "lr_scheduler": state.get("lr_scheduler")}
 
-    def _read(self, path: Path, want: set[str]) -> dict[str, Any]:
-        """The DCP entries of ``want`` that ``path`` holds, read into this run's (sharded) state."""
+    def _read(self, path: Path, want: set[str], marker: dict | None = None) -> dict[str, Any]:
+        """The DCP entries of ``want`` that ``path`` holds, read into this run's (sharded) state; with
+        checksums (``marker``'s, when verify_on_load) this rank's share of the files is verified from the
+        bytes DCP reads, and :class:`_Corrupt` raised on a mismatch before anything else is restored."""
         import torch.distributed.checkpoint as dcp
 
         c = self.components
@@ -338,8 +470,24 @@ class Loader:
         if "rng" in want and _present(rng_key, keys):
             state["rng"] = {f"rank_{self.comm.rank}": {k: v for k, v in c.rng_state().items()
                                                        if f"{rng_key}.{k}" in keys}}
-        if state:
-            dcp.load(state, checkpoint_id=str(path), process_group=self.comm.pg)
+        verify = marker is not None and self._verifies(marker) and not self.cfg.start_fresh_if_unloadable
+        mine = share(list(marker.get("files") or {}), self.comm.rank, self.comm.world) if verify else []
+        reader, hashed = _verifying_reader(path, marker["checksum"] if verify else "none", set(mine))
+        try:
+            if state:
+                dcp.load(state, checkpoint_id=str(path), storage_reader=reader, process_group=self.comm.pg)
+        except ERRORS:
+            bad = verify_files(path, marker, mine) if verify else None  # a damaged file can break the read
+            if bad:
+                raise _Corrupt(bad) from None
+            raise
+        for name in mine:
+            if name in hashed:
+                bad = check_digest(name, marker, *hashed[name])
+            else:  # not opened by this rank's reads (another rank's shards, the sidecars): read it now
+                bad = verify_files(path, marker, [name])
+            if bad:
+                raise _Corrupt(bad)
         return state
 
     def _apply(self, state: dict, callbacks_state: Any, loader_state: Any) -> None:
@@ -423,7 +571,7 @@ class Loader:
         if not model_only:
             self._load_first([chosen], explicit=True)
             return
-        reasons = self.comm.agree(self._verify(chosen))  # checksums first: nothing read from a damaged one
+        reasons = self.comm.agree(self._verify(chosen))
         if not reasons:
             error = None
             try:
@@ -431,6 +579,8 @@ class Loader:
                                       restore_train_state=False)
             except _Incompatible as e:  # weights of another model: said as such, not as an exception type
                 error = str(e)
+            except _Corrupt as e:
+                error = f"CORRUPT: {chosen.path.name}/{e}"
             except ERRORS as e:
                 logger.debug("loading %s failed:\n%s", chosen.path, traceback.format_exc())
                 error = format_exception(e)

@@ -58,9 +58,9 @@ class CheckpointManager:
         self.saver = Saver(cfg, self.folder, self.components, self.comm, async_pg)
         self.loader = Loader(cfg, self.folder, self.components, self.comm, config.training.steps,
                              config.model.name)
-        if self.enabled and self.saver.pinned:
-            # Asynchronous staging into reused pinned buffers: wait for the copy before the optimizer
-            # changes the weights it reads.
+        if self.enabled and cfg.async_mode != "disabled":
+            # Background saves copy the state in the background (into reused pinned buffers, or a fresh CPU
+            # copy): wait for the copy before the optimizer changes the weights and moments it reads.
             optimizer.register_step_pre_hook(lambda *_: self.saver.wait_staging())
 
     def _new_groups(self) -> tuple[Any, Any]:

@@ -9,10 +9,12 @@ is reported with every rank's reason, cleaned up and counted; the run stops afte
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import logging
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,9 +68,42 @@ def _make_writer_class():
                 time.sleep(self._delay_s)
             if self._fail:
                 raise OSError(f"fault drill: injected write failure (checkpoint.drill_fail_save_steps) in {self.path}")
-            return super().write_data(plan, planner)
+            with without_zip_crc32():
+                return super().write_data(plan, planner)
 
     return DrillWriter
+
+
+_crc_lock = threading.Lock()
+_crc_users = 0
+_crc_saved: bool | None = None
+
+
+@contextlib.contextmanager
+def without_zip_crc32():
+    """DCP writes each tensor as a small ``torch.save`` zip, whose CRC-32 per record costs as much CPU as the
+    disk takes to write the bytes, and ``torch.load`` never checks it. The checkpoint's own checksum (hashed
+    while writing) covers every byte of every file, so while our writers run the CRC is not computed (with
+    checksum none too: nothing reads it). A process-wide torch setting: restored when the last concurrent
+    save finishes."""
+    global _crc_users, _crc_saved
+    try:
+        from torch.utils.serialization import config as serialization_config
+    except ImportError:  # another torch version: the CRC stays
+        yield
+        return
+    with _crc_lock:
+        if _crc_users == 0:
+            _crc_saved = serialization_config.save.compute_crc32
+            serialization_config.save.compute_crc32 = False
+        _crc_users += 1
+    try:
+        yield
+    finally:
+        with _crc_lock:
+            _crc_users -= 1
+            if _crc_users == 0:
+                serialization_config.save.compute_crc32 = _crc_saved
 
 
 @dataclass
@@ -230,7 +265,8 @@ class Saver:
             self._writer_cls = _make_writer_class()
         fail = step in self.cfg.drill_fail_save_steps and self.comm.rank == self.comm.world - 1
         delay = self.cfg.drill_save_delay_s if self.comm.rank == 0 else 0.0
-        return self._writer_cls(str(tmp), delay_s=delay, fail=fail, checksum=self.cfg.checksum)
+        return self._writer_cls(str(tmp), delay_s=delay, fail=fail, checksum=self.cfg.checksum,
+                                thread_count=self.cfg.save_threads)
 
     # ----------------------------------------------------------------------------------------------
     # Background saves
@@ -276,9 +312,11 @@ class Saver:
                         use_pinned_memory=True, use_shared_memory=False, use_async_staging=True,
                         use_non_blocking_copy=True))
                 return self._stager
-            # A fresh stager per save: a plain copy to CPU memory, freed once the save is written.
+            # A fresh stager per save: a copy to ordinary CPU memory, freed once the save is written. The copy
+            # runs in the background too: the loop goes on with its next forward and backward, and the
+            # optimizer step (which changes what is copied) waits for it (see CheckpointManager).
             return DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                use_async_staging=False, use_non_blocking_copy=False))
+                                                use_async_staging=True, use_non_blocking_copy=False))
         except (TypeError, AssertionError, RuntimeError) as e:  # another torch version's options
             logger.warning("checkpoint staging API unavailable (%s); using DCP's default staging", e)
             return None

@@ -25,10 +25,14 @@ Suites (each prints rows of the table and fills one entry of the JSON results):
 * ``data-files``: the loader on token files other trainers write (megatron, numpy, fms-fsdp arrow) at seq_len
   4096 and 8192, per kind, against plain numpy memmap slicing of the same tokens in the same run
   (``trainer.tools.bench.data_files``).
-* ``checkpoint``: save throughput of synchronous and asynchronous saves and load throughput, through the
-  trainer's ``CheckpointManager`` (DCP); how long an asynchronous save blocks the loop (from the save call
-  until the loop may continue) against a synchronous save; and the slowdown of steps while the background
-  write runs.
+* ``checkpoint``: first against the disk (``checkpoint_disk.py``): the raw sequential write (fsync'ed) and
+  read bandwidth of the filesystem (``--checkpoint-folder``; reads after dropping the page cache with
+  posix_fadvise), and for each model size (``--checkpoint-sizes``, bf16 weights and AdamW moments) and with
+  checksums on and off: sync save, async blocking / staged / committed, load and verify, each as a fraction
+  of the raw bandwidth. Then inside a debug-model training run: save throughput of synchronous and
+  asynchronous saves and load throughput, through the trainer's ``CheckpointManager`` (DCP); how long an
+  asynchronous save blocks the loop (from the save call until the loop may continue) against a
+  synchronous save; and the slowdown of steps while the background write runs.
 * ``gpu`` (CUDA only; skipped elsewhere): tokens/s, MFU and peak memory per flavor (debug_gqa, llama3_1b,
   llama3_3b, llama3_8b with fewer layers) and variant (eager bf16, compile, compile+float8 tensorwise,
   compile+float8 rowwise, compile+selective op AC, compile+full AC), each case in its own process, with the
@@ -130,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--data-seconds", type=float, default=3.0, help="seconds per loader measurement")
     parser.add_argument("--checkpoint-repeats", type=int, default=5, help="checkpoint, eval: repeats")
+    parser.add_argument("--checkpoint-sizes", default=None,
+                        help="checkpoint: comma-separated model flavors measured against the disk (default "
+                             "debugmodel,llama3_1b_4l,llama3_1b; those that do not fit in memory are skipped)")
+    parser.add_argument("--checkpoint-folder", default=None,
+                        help="checkpoint: where to write (the filesystem measured; default: a temporary folder)")
     parser.add_argument("--integrity-mb", type=int, default=256, help="integrity: MiB hashed in memory and on disk")
     parser.add_argument("--processes", type=int, default=3,
                         help="overhead: pairs of separate trainer / bare-loop processes (0: in-process only)")

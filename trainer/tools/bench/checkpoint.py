@@ -1,5 +1,7 @@
-"""``trainer bench checkpoint``: synchronous and asynchronous saves and loads through the trainer's
-``CheckpointManager`` (DCP)."""
+"""``trainer bench checkpoint``: the checkpoint code against the disk's own bandwidth at several model sizes
+(:mod:`.checkpoint_disk`), then synchronous and asynchronous saves and loads inside a training run of the
+debug model (the trainer's ``CheckpointManager``, DCP): how long a background save holds up the loop and how
+much it slows the steps that run beside it."""
 
 from __future__ import annotations
 
@@ -134,7 +136,10 @@ def bench_checkpoint(args, overrides: list[str], workdir: str) -> dict[str, Any]
     """Both asynchronous modes (``async``: a fresh staging copy per save; ``async_with_pinned_mem``: reused
     pinned buffers and background staging on CUDA), each on its own trainer; the headline is the mode
     that blocks least."""
+    from .checkpoint_disk import bench_checkpoint_disk
+
+    disk = bench_checkpoint_disk(args, overrides, workdir)
     repeats = 1 if args.steps == "small" else args.checkpoint_repeats
     modes = {m: _checkpoint_mode(args, overrides, workdir, m, repeats) for m in ("async", "async_with_pinned_mem")}
     best = min(modes.values(), key=lambda r: r["async_block_fraction"])
-    return {**{k: v for k, v in best.items() if k != "samples"}, "modes": modes}
+    return {"disk": disk, **{k: v for k, v in best.items() if k != "samples"}, "modes": modes}

@@ -77,6 +77,16 @@ def _data_files_rows(rows: _Rows, d: dict) -> None:
 
 def _checkpoint_rows(rows: _Rows, c: dict) -> None:
     add = rows.add
+    if "disk" in c:
+        from .checkpoint_disk import DISK_TARGETS, disk_rows
+
+        for name, value, fmt, metric in disk_rows(c["disk"]):
+            verdict = ""
+            if metric is not None and isinstance(value, (int, float)):
+                op, bound = DISK_TARGETS[metric]
+                ok = value >= bound if op == ">=" else value <= bound
+                verdict = f"target {op} {bound:g}: {'PASS' if ok else 'MISS'}"
+            rows.append((name, fmt.format(value) if isinstance(value, (int, float)) else str(value), verdict))
     add("checkpoint: size (MB)", c["checkpoint_bytes"] / 1e6, "{:.1f}")
     for mode, m in c.get("modes", {c["async_mode"]: c}).items():
         add(f"checkpoint: sync save (s) [{mode} run]", m["sync_save_s"], "{:.3f}")
