@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
 import pytest
 
@@ -107,3 +108,21 @@ def _start_batches_first(request):
     on the core the in-process tests leave idle while those tests run."""
     if _wanted_runs(request.session):
         request.getfixturevalue("batches")
+
+
+@pytest.fixture(autouse=True)
+def _lm_eval_logging_per_test():
+    """lm-eval's console handler (added once per process by ``trainer eval``) writes to the sys.stderr of
+    the moment it was made: in pytest, one test's capture, closed after it. Each test that configures it
+    gets its own, removed afterwards."""
+    import logging
+
+    logger = logging.getLogger("lm_eval")
+    before = list(logger.handlers)
+    yield
+    utils = sys.modules.get("lm_eval.utils")
+    if utils is not None and hasattr(utils, "_LOGGING_CONFIGURED"):
+        for handler in [h for h in logger.handlers if h not in before]:
+            logger.removeHandler(handler)
+        utils._LOGGING_CONFIGURED = False
+

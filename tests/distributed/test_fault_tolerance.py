@@ -22,16 +22,17 @@ import pytest
 
 from tests.support.batches import spec
 from tests.support.launch import start_train
-from tests.support.parity import STEPS, relative_diffs
+from tests.support.parity import IN_TRAINING_EVAL, STEPS, relative_diffs
 from tests.support.processes import free_port, kill_tree, popen, wait_for
 
 pytest.importorskip("torchft")
 
 pytestmark = pytest.mark.slow
 
-# Plain HSDP, 2 replicas x 2 FSDP ranks (the same run as tests/distributed/test_parallel.py's layout_hsdp2x2).
+# Plain HSDP, 2 replicas x 2 FSDP ranks: the run tests/distributed/test_parallel.py declares as layout_hsdp2x2
+# (with its in-training evaluation, which leaves the losses as they are).
 HSDP = spec("layout_hsdp2x2", 4, *STEPS, "--training.local_batch_size", "2",
-            "--parallelism.data_parallel_replicate_degree", "2")
+            "--parallelism.data_parallel_replicate_degree", "2", *IN_TRAINING_EVAL)
 
 
 def lighthouse(folder: Path, min_replicas: int) -> tuple[subprocess.Popen, str]:
