@@ -13,7 +13,7 @@ from tests.support.data import make_c4
 from tests.support.processes import free_port
 from tests.support.tokenizers import TORCHTITAN_ASSETS as ASSETS, make_tokenizer_folder
 
-STEPS = 3  # the TOML says 10; the shape is what is under test, and each step costs ~10 CPU-seconds
+STEPS = 2  # the TOML says 10; the shape is what is under test, and each step costs ~10 CPU-seconds
 
 
 @pytest.mark.slow  # the TOML's own shape: 8 x 2048 tokens a step, a CPU-minute for the few steps run here
