@@ -87,13 +87,17 @@ def test_the_groups_of_one_job_share_the_dump_folder_lock(tmp_path):
     name = job_identity(config(*ENABLED), env)
     assert name == "torchft@http://head:29510" and job_identity(config(), env) is None
     first = RunLock(tmp_path, 300, job=name).acquire()
+    second = None
     try:
-        assert RunLock(tmp_path, 300, job=name).acquire().joined  # another replica group of the job
+        second = RunLock(tmp_path, 300, job=name).acquire()
+        assert second.joined  # another replica group of the job
         with pytest.raises(RunLockedError, match="in use by another run"):  # a job with another lighthouse
             RunLock(tmp_path, 300, job=job_identity(config(*ENABLED), {"TORCHFT_LIGHTHOUSE": "http://x:1"})).acquire()
         with pytest.raises(RunLockedError):
             RunLock(tmp_path, 300).acquire()  # a plain run
     finally:
+        if second is not None:
+            second.release()  # its heartbeat thread ends with it
         first.release()
 
 
