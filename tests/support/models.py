@@ -20,3 +20,16 @@ def fast_model(args, seed: int = 0) -> "Transformer":  # noqa: F821
             p.copy_(torch.randn(p.shape, generator=gen) * scale + (1.0 if "norm" in name else 0.0))
     model.rope_cache = model._compute_rope_cache()
     return model.eval()
+
+
+def seeded_model(args, seed: int = 0) -> "Transformer":  # noqa: F821
+    """The model as training builds it (``init_weights``), seeded the same way before construction and init."""
+    import torch
+
+    from trainer.models.llama.model import Transformer
+
+    torch.manual_seed(seed)
+    model = Transformer(args)
+    torch.manual_seed(seed)
+    model.init_weights()
+    return model

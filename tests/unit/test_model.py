@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from tests.support.models import seeded_model
 from trainer.models.config import get_model_args
 from trainer.models.llama.args import LlamaModelArgs
 from trainer.models.llama.flavors import LLAMA_FLAVORS
@@ -43,14 +44,6 @@ def tiny_args(**overrides) -> LlamaModelArgs:
     )
     base.update(overrides)
     return LlamaModelArgs(**base)
-
-
-def seeded_model(args: LlamaModelArgs, seed: int = 0) -> Transformer:
-    torch.manual_seed(seed)
-    model = Transformer(args)
-    torch.manual_seed(seed)
-    model.init_weights()
-    return model
 
 
 # ----------------------------------------------------------------------------- forward

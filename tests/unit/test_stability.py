@@ -22,6 +22,7 @@ from torchtitan_ext.stability.guard import StepGuard, StopTraining
 from torchtitan_ext.stability.rewarmup import LRRewarmup
 from torchtitan_ext.stability.skip import SkipRanges
 from torchtitan_ext.stability.zloss import ZLoss, z_loss
+from tests.support.models import seeded_model
 from trainer.callbacks import CallbackList
 from trainer.callbacks import RunView
 from torchtitan_ext.config import ExtJobConfig
@@ -241,13 +242,8 @@ def test_guard_state_survives_a_resume_exactly():
 
 
 def tiny_model(seed: int = 0) -> Transformer:
-    args = LlamaModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16,
-                          max_seq_len=16)
-    torch.manual_seed(seed)
-    model = Transformer(args)
-    torch.manual_seed(seed)
-    model.init_weights()
-    return model
+    return seeded_model(LlamaModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16,
+                                       max_seq_len=16), seed)
 
 
 def test_embedding_grad_shrink_scales_the_embedding_gradient_only():
