@@ -35,6 +35,7 @@ from trainer import compat, launch, logs, preemption, runlock
 from trainer import step as steps  # as a module (``step`` is the step number here): steps.forward_backward ...
 from trainer.callbacks import CallbackList, RunView, build_callbacks
 from trainer.checkpoint.manager import CheckpointManager
+from trainer.checkpoint.replicas import ReplicaGroup
 from trainer.checkpoint.state import TrainState
 from trainer.config import JobConfig, help_text, load_config, to_toml, validate
 from trainer.errors import OutputError, PeerLost, TrainerError
@@ -79,7 +80,8 @@ logger = logging.getLogger("trainer")
 class Trainer:
     def __init__(self, config: JobConfig):
         self.config = config
-        use_replica_folder(config)  # [fault_tolerance]: this group's outputs under <dump_folder>/replica_<id>
+        # [fault_tolerance]: this group's outputs under <dump_folder>/replica_<id>; checkpoints stay the job's.
+        self.job_dump_folder = use_replica_folder(config)
         self.dump_folder = Path(config.job.dump_folder)
         self.setup_process()  # process group, device, mesh, seeds; the resolved config.toml
         self.build_data()  # tokenizer and loaders
@@ -174,10 +176,16 @@ class Trainer:
         self.state = TrainState()
         self.run_view = self.build_run_view()
         self.callbacks.on_model_built(self.run_view)
+        ft = self.config.fault_tolerance
+        # The lowest replica group taking part in a save step writes the job's checkpoint (self.replicas is
+        # built below, after the resume: it starts from the step loaded here).
+        replica = ReplicaGroup(ft.replica_id, ft.group_size, self.job_dump_folder,
+                               lambda: self.replicas.saves_job_checkpoint()) if ft.enable else None
         self.checkpointer = CheckpointManager(
             self.config, model_parts=self.model_parts, optimizer=self.optimizer, lr_schedule=self.lr_schedule,
             data_loader=self.train_loader, train_state=self.state, callbacks=self.callbacks, device=self.device,
-            dp_rank=self.dp_rank, pp_degree=self.dims.pp, layout=self.dims.describe(), num_params=self.num_params)
+            dp_rank=self.dp_rank, pp_degree=self.dims.pp, layout=self.dims.describe(), num_params=self.num_params,
+            replica=replica)
         self.checkpointer.load()
         if self.state.resumed_from_step is not None:
             self.callbacks.on_checkpoint_loaded(self.run_view, self.state.resumed_from_step)

@@ -140,3 +140,80 @@ def test_manager_over_explicit_components(tmp_path):
     assert torch.equal(fresh["model_parts"][0].weight, model.weight)
     saved = optimizer.state_dict()["state"][0]["exp_avg"]
     assert torch.equal(fresh["optimizer"].state_dict()["state"][0]["exp_avg"], saved)
+
+
+class _GroupLoader(_Loader):
+    """A replica group's loader: its merged state holds only its own shards (as TrainLoader's does under
+    fault tolerance) and the job's sequence count."""
+
+    def __init__(self, shards):
+        super().__init__()
+        self.shards, self.loaded = shards, None
+
+    def merge_states(self, states):
+        return {"kind": "global", "num_shards": 4, "fingerprint": {"data": "same"}, "sequences": self.position,
+                "shards": {str(j): {"at": self.position} for j in self.shards}}
+
+    def load_global_state(self, state):
+        self.loaded = state
+
+
+def test_fault_tolerant_job_checkpoint(tmp_path):
+    """One checkpoint for the job (written by the group told so: the lowest taking part), each replica
+    group's data state in its own folder; a group resumes with its own newest data state, a run without
+    fault tolerance with the union of every group's of that step, and refuses a step some group missed."""
+    from trainer.checkpoint.replicas import ReplicaGroup
+    from trainer.errors import CheckpointError
+
+    config = load_config(["--job.dump_folder", str(tmp_path / "replica_x"), "--checkpoint.enable",
+                          "--training.steps", "20", "--checkpoint.interval", "5"], env={})
+    groups = []
+    for g in (0, 1):
+        parts = _components(g)
+        parts["data_loader"] = _GroupLoader(shards=(g, g + 2))
+        groups.append((parts, CheckpointManager(config, **parts, replica=ReplicaGroup(g, 2, str(tmp_path),
+                                                                                    lambda g=g: g == 0))))
+    for step in (5, 10):
+        for g, (parts, manager) in enumerate(groups):
+            if step == 10 and g == 1:
+                continue  # group 1 is down at step 10
+            parts["train_state"].step = parts["data_loader"].position = step
+            manager.maybe_save(step)
+    ckpt = tmp_path / "checkpoint"  # the job's folder, not the group's dump folder
+    job = scan_folder(ckpt)
+    assert [(c.step, c.kind, c.marker.get("replica_groups")) for c in job] == [(5, "full", 2), (10, "full", 2)]
+    assert not any((c.path / "dataloader.json").exists() for c in job)
+    assert [c.step for c in scan_folder(ckpt / "replica_0")] == [5, 10]
+    assert [(c.step, c.kind) for c in scan_folder(ckpt / "replica_1")] == [(5, "data")]
+
+    # Group 1 started again: the job's step-10 weights, its own data state of step 5 (nothing skipped).
+    parts = _components(3)
+    parts["data_loader"] = _GroupLoader(shards=(1, 3))
+    manager = CheckpointManager(config, **parts, replica=ReplicaGroup(1, 2, str(tmp_path), lambda: False))
+    manager.load()
+    assert manager.loaded_step == 10 and parts["train_state"].step == 10
+    assert torch.equal(parts["model_parts"][0].weight, groups[0][0]["model_parts"][0].weight)
+    assert parts["data_loader"].loaded["shards"] == {"1": {"at": 5}, "3": {"at": 5}}
+
+    # Both at step 15: group 1's part of the stream is 5 steps behind for good.
+    groups[1] = (parts, manager)
+    for g, (parts, manager) in enumerate(groups):
+        parts["train_state"].step, parts["data_loader"].position = 15, 15 - 5 * g
+        manager.maybe_save(15)
+
+    # Without fault tolerance: step 15's data states are at different positions, step 10 lacks group 1's
+    # (one line each, naming the cause and the fix); step 5 has the union.
+    plain = load_config(["--job.dump_folder", str(tmp_path), "--checkpoint.enable", "--training.steps", "20"], env={})
+    parts = _components(4)
+    parts["data_loader"] = _GroupLoader(shards=())
+    with pytest.raises(CheckpointError, match=r"step 15 are at different positions \(\[10, 15\] sequences\)"):
+        CheckpointManager(plain, **parts).load()
+    plain.checkpoint.load_step = 10
+    with pytest.raises(CheckpointError, match=r"replica group\(s\) \[1\] saved no data state at step 10"):
+        CheckpointManager(plain, **parts).load()
+    plain.checkpoint.load_step = 5
+    manager = CheckpointManager(plain, **parts)
+    manager.load()
+    assert manager.loaded_step == 5
+    assert parts["data_loader"].loaded["shards"] == {str(j): {"at": 5} for j in range(4)}
+    assert parts["data_loader"].loaded["sequences"] == 5

@@ -84,8 +84,8 @@ class Checkpoint:
     """Fault drill: pretend the checkpoint folder sits on a filesystem of this many bytes (free space is
     this minus what the folder holds); -1 measures the real filesystem."""
     enable_ft_dataloader_checkpoints: bool = True
-    """Refused unless true: the data-loader state is in every checkpoint (with fault_tolerance.enable, each
-    replica group's own)."""
+    """Refused unless true: the data-loader state is always saved (with fault_tolerance.enable, each replica
+    group saves its own beside the job's checkpoint: <checkpoint.folder>/replica_<id>/step-N)."""
     initial_load_in_hf_quantized: bool = False
     """Refused unless false: quantized Hugging Face checkpoints are not read."""
     last_save_in_hf: bool = False

@@ -11,6 +11,8 @@ Under ``<job.dump_folder>/<checkpoint.folder>/``::
     step-60.replaced/         the previous step-60 while a save of the same step replaces it
     final-step-80/            the final model-only save (checkpoint.last_save_model_only), next to the full
                               step-80 of the same step; a longer run later adds its own final-step-N
+    replica_<id>/step-40/     a fault-tolerant job's replica group's own data-loader state (kind "data": no
+                              DCP files); see trainer/checkpoint/replicas.py
     moved-aside/              folders that were in the way of a save but are not ours (no or partial commit
                               marker, or files the marker does not list): moved here, never deleted
 
@@ -53,6 +55,7 @@ MOVED_ASIDE = "moved-aside"
 FINAL_PREFIX = "final-"
 DEFAULT_FOLDER = "checkpoint"  # checkpoint.folder's default, relative to the dump folder
 RUN_CONFIG = "config.toml"  # the resolved config a run writes into its dump folder
+DATA_ONLY = "data"  # the marker's kind of a replica group's data-only checkpoint (see checkpoint/replicas.py)
 
 _NAME_RE = re.compile(r"^(?:final-)?step-(\d+)(\.tmp|\.replaced)?$")
 
@@ -130,7 +133,7 @@ def validate_checkpoint(path: Path) -> tuple[str, str, dict]:
     if parsed and parsed[0] != marker.get("step"):
         return "corrupt", f"commit marker says step {marker.get('step')}, the folder is {path.name}", marker
     files = marker.get("files") or {}
-    if DCP_METADATA not in files:
+    if DCP_METADATA not in files and marker.get("kind") != DATA_ONLY:
         return "corrupt", "commit marker lists no DCP metadata", marker
     for name, entry in files.items():
         size, _ = file_entry(entry)
@@ -300,7 +303,7 @@ def commit(tmp: Path, final: Path, marker: dict, sums: dict | None = None, algo:
         elif entry["size"] != size:
             raise CheckpointError(f"{p} has {size} bytes on disk but {entry['size']} were written")
         files[p.name] = entry
-    if DCP_METADATA not in files:
+    if DCP_METADATA not in files and marker.get("kind") != DATA_ONLY:
         raise CheckpointError(f"{tmp} has no DCP metadata after the save")
     marker["checksum"] = algo
     marker["files"] = files

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
 import logging
 import math
 import shutil
@@ -37,10 +36,12 @@ from trainer.checkpoint.layout import (
     scan_folder,
 )
 from trainer.checkpoint.config import STATE_KEYS
+from trainer.checkpoint.replicas import ReplicaGroup, group_data_state, job_data_state, read_data_state
 from trainer.checkpoint.state import (
     Components,
     TrainState,
     load_loader_global_state,
+    read_loader_file,
     unpickle_bytes,
 )
 from trainer.errors import CheckpointError, ConfigError
@@ -234,8 +235,9 @@ class Loader:
     """Loads checkpoints of ``folder`` (or ``cfg.initial_load_path``) into ``components``."""
 
     def __init__(self, cfg, folder: Path, components: Components, comm: Collectives, training_steps: int,
-                 model_name: str):
+                 model_name: str, replica: ReplicaGroup | None = None):
         self.cfg = cfg
+        self.replica = replica  # a fault-tolerant job's replica group: its data state is in its own folder
         self.model_name = model_name  # whose Hugging Face mapping reads an initial_load_path HF folder
         self.folder = folder
         self.components = components
@@ -411,10 +413,7 @@ class Loader:
         if not restore_train_state:
             want &= {"model", "optimizer"}
         state = self._read(path, want, marker)
-        loader_state = None
-        if "dataloader" in want and marker.get("dataloader"):
-            f = path / marker["dataloader"]
-            loader_state = json.loads(f.read_text()) if f.suffix == ".json" else unpickle_bytes(f.read_bytes())
+        loader_state = self._data_state(path, marker) if "dataloader" in want else None
         callbacks_state = unpickle_bytes(state["callbacks"]) if "callbacks" in state else None
         # Everything was read: now apply it.
         self._apply(state, callbacks_state, loader_state)
@@ -423,6 +422,30 @@ class Loader:
         restored = set(state) - {"rng"} | ({"dataloader"} if loader_state is not None else set())
         return {"restored": restored, "rng": "rng" in state, "seconds": time.perf_counter() - t0,
                 "lr_scheduler": state.get("lr_scheduler")}
+
+    def _data_state(self, path: Path, marker: dict) -> Any:
+        """The data-loader state to restore with ``path`` (None: none). A fault-tolerant job's checkpoint
+        holds none: a replica group takes its own newest at or before the step, a run without fault
+        tolerance the union of every group's of that step (see :mod:`trainer.checkpoint.replicas`)."""
+        step, groups = marker.get("step", 0), marker.get("replica_groups")
+        if groups is not None and self.replica is not None:
+            info = group_data_state(self.folder, self.replica.replica_id, step)
+            if self.comm.rank == 0 and info is None:
+                logger.warning("replica group %d has no data state at or before step %d in %s: its part of the "
+                               "data stream starts from the beginning", self.replica.replica_id, step,
+                               self.replica.folder(self.folder))
+            elif self.comm.rank == 0 and info.step != step:
+                logger.warning("replica group %d's newest data state is of step %d (the job's checkpoint is step "
+                               "%d: the group was not training then): its part of the stream goes on from step %d's "
+                               "position, so none of its documents is skipped", self.replica.replica_id, info.step,
+                               step, info.step)
+            return None if info is None else read_data_state(info)
+        if groups is not None:
+            try:
+                return job_data_state(self.folder, step, int(groups))
+            except CheckpointError as e:
+                raise _Incompatible(str(e)) from None
+        return read_loader_file(path / marker["dataloader"]) if marker.get("dataloader") else None
 
     def _read(self, path: Path, want: set[str], marker: dict | None = None) -> dict[str, Any]:
         """The DCP entries of ``want`` that ``path`` holds, read into this run's (sharded) state; with

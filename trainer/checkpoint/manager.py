@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 from trainer.checkpoint.agree import Collectives
-from trainer.checkpoint.layout import scan_folder, step_dirname
+from trainer.checkpoint.layout import DATA_ONLY, scan_folder, step_dirname
 from trainer.checkpoint.loading import Loader
+from trainer.checkpoint.replicas import ReplicaGroup
 from trainer.checkpoint.saving import Saver
 from trainer.checkpoint.state import Components, TrainState
 from trainer.errors import ConfigError
@@ -36,14 +37,18 @@ class CheckpointManager:
     training ``data_loader`` (``state_dict()``; merged over data-parallel ranks), the ``train_state``
     counters, ``callbacks`` (any ``state_dict()``/``load_state_dict()`` object), the ``device``, and where
     this rank sits: ``dp_rank``, ``pp_degree``, ``layout`` (a description for the marker) and
-    ``num_params`` (the whole model, for the size estimate).
+    ``num_params`` (the whole model, for the size estimate). ``replica``: this process's replica group in a
+    fault-tolerant job (the checkpoint folder is then the job's, shared by its groups; see
+    :mod:`trainer.checkpoint.replicas`).
     """
 
     def __init__(self, config, *, model_parts: list, optimizer: Any, train_state: TrainState, data_loader: Any,
                  callbacks: Any, device: torch.device, lr_schedule: Any = None, dp_rank: int = 0,
-                 pp_degree: int = 1, layout: str = "", num_params: int | None = None):
+                 pp_degree: int = 1, layout: str = "", num_params: int | None = None,
+                 replica: ReplicaGroup | None = None):
         self.cfg = cfg = config.checkpoint
-        self.folder = Path(config.job.dump_folder) / cfg.folder
+        self.replica = replica
+        self.folder = Path(replica.job_dump_folder if replica else config.job.dump_folder) / cfg.folder
         self.enabled = cfg.enable
         self.seed_created = False
         self.components = Components(
@@ -55,9 +60,12 @@ class CheckpointManager:
                         "ordinary CPU memory on this machine")
         pg, async_pg = self._new_groups()
         self.comm = Collectives(pg)
-        self.saver = Saver(cfg, self.folder, self.components, self.comm, async_pg)
+        self.saver = Saver(cfg, self.folder, self.components, self.comm, async_pg,
+                           replica_groups=replica.group_size if replica else None)
+        # A replica group's own part of the data stream, saved at the same steps (synchronously: it is small).
+        self.data_saver = Saver(cfg, replica.folder(self.folder), self.components, self.comm) if replica else None
         self.loader = Loader(cfg, self.folder, self.components, self.comm, config.training.steps,
-                             config.model.name)
+                             config.model.name, replica=replica)
         if self.enabled and cfg.async_mode != "disabled":
             # Background saves copy the state in the background (into reused pinned buffers, or a fresh CPU
             # copy): wait for the copy before the optimizer changes the weights and moments it reads.
@@ -106,8 +114,16 @@ class CheckpointManager:
     def maybe_save(self, step: int, last: bool = False) -> None:
         """Called after every optimizer step: finishes a background save that has completed, and saves
         at every ``checkpoint.interval`` steps and at the last step."""
-        if self.enabled:
-            self.saver.maybe_save(step, last)
+        if not self.enabled:
+            return
+        if self.data_saver is not None and (last or step % self.cfg.interval == 0):
+            self.data_saver.save(step, kind=DATA_ONLY)
+        self.saver.maybe_save(step, last, write=self._writes_job_checkpoint())
+
+    def _writes_job_checkpoint(self) -> bool:
+        """Whether this process writes the full checkpoint of the step just taken: always, unless it is
+        a replica group other than the lowest one taking part."""
+        return self.replica is None or self.replica.saves_job_checkpoint()
 
     def save(self, step: int, kind: str = "full", dtype: torch.dtype | None = None, asynchronous: bool = False) -> bool:
         """Save ``step`` now (all ranks); see :meth:`Saver.save`."""
@@ -121,6 +137,11 @@ class CheckpointManager:
         """Stopping on a signal (all ranks): wait for a background save, then save a full checkpoint of
         ``step`` unless this run has committed one already. True when ``step``'s checkpoint is committed."""
         self.finish()
+        if self.data_saver is not None:
+            if step not in self.data_saver.committed_steps:
+                self.data_saver.save(step, kind=DATA_ONLY)
+            if not self._writes_job_checkpoint():
+                return step in self.data_saver.committed_steps
         if step not in self.saver.committed_steps:
             self.save(step, kind="full")
         return step in self.saver.committed_steps

@@ -25,6 +25,7 @@ import torch
 from trainer.checkpoint.agree import ERRORS, Collectives, attempt
 from trainer.checkpoint.integrity import hashing_filesystem
 from trainer.checkpoint.layout import (
+    DATA_ONLY,
     DATALOADER_JSON,
     DATALOADER_PT,
     FORMAT_VERSION,
@@ -124,10 +125,14 @@ class _Pending:
 
 class Saver:
     """Writes, commits and retains the checkpoints of ``components`` in ``folder`` (all ranks call every
-    method together). ``async_pg`` is the process group of background saves (None: synchronous only)."""
+    method together). ``async_pg`` is the process group of background saves (None: synchronous only).
+    ``replica_groups``: in a fault-tolerant job, how many replica groups it has; its full checkpoints then
+    hold no data-loader state (each group saves its own: :mod:`trainer.checkpoint.replicas`)."""
 
-    def __init__(self, cfg, folder: Path, components: Components, comm: Collectives, async_pg: Any = None):
+    def __init__(self, cfg, folder: Path, components: Components, comm: Collectives, async_pg: Any = None,
+                 replica_groups: int | None = None):
         self.cfg = cfg
+        self.replica_groups = replica_groups
         self.folder = folder
         self.components = components
         self.comm = comm
@@ -148,11 +153,14 @@ class Saver:
     def pinned(self) -> bool:
         return self.cfg.async_mode == "async_with_pinned_mem" and self.components.use_cuda
 
-    def maybe_save(self, step: int, last: bool = False) -> None:
+    def maybe_save(self, step: int, last: bool = False, write: bool = True) -> None:
         """After every optimizer step: finish a background save that has completed; save at every
-        ``checkpoint.interval`` steps and at the last step."""
+        ``checkpoint.interval`` steps and at the last step (unless not ``write``: another replica group
+        writes the job's checkpoint of this step)."""
         if self.pending is not None:
             self._poll(block=last or step % self.cfg.interval == 0)
+        if not write:
+            return
         if last:
             # The last step's save is always full (a longer run continues from it exactly); the model-only
             # export is an addition under its own name, so no run overwrites another run's final save.
@@ -182,6 +190,8 @@ class Saver:
         final_save = final
         final = self.folder / step_dirname(step, final=final_save)
         tmp = self.folder / step_dirname(step, TMP_SUFFIX, final=final_save)
+        if kind == DATA_ONLY:
+            return self._save_data(step, tmp, final, t0)
         model_only = kind != "full"
         self.wait_staging()
         state = self.components.snapshot(step, self.comm.rank, model_only, dtype)
@@ -192,7 +202,9 @@ class Saver:
         if reasons:
             return self._failed(step, tmp, reasons, refused=True)
         marker = self._marker(step, kind, dtype, nbytes)
-        if not model_only:
+        if not model_only and self.replica_groups is not None:
+            marker["replica_groups"] = self.replica_groups  # their data states: <folder>/replica_<id>/step-N
+        elif not model_only:
             reasons = self.comm.agree(self._write_dataloader_state(tmp, marker))
             if reasons:
                 return self._failed(step, tmp, reasons, refused=False)
@@ -202,6 +214,18 @@ class Saver:
         _, error = attempt("checkpoint save", dcp.save, state, storage_writer=writer, process_group=self.comm.pg)
         del state
         return self._finish_save(step, tmp, final, marker, error, t0, time.perf_counter() - t0, writer)
+
+    def _save_data(self, step: int, tmp: Path, final: Path, t0: float) -> bool:
+        """A data-only checkpoint (a replica group's part of the data stream): the merged loader state of
+        this group's ranks and the commit marker."""
+        reasons = self.comm.agree(self._prepare(step, tmp, 0))
+        if reasons:
+            return self._failed(step, tmp, reasons, refused=True)
+        marker = self._marker(step, DATA_ONLY, None, 0)
+        reasons = self.comm.agree(self._write_dataloader_state(tmp, marker))
+        if reasons:
+            return self._failed(step, tmp, reasons, refused=False)
+        return self._finish_save(step, tmp, final, marker, None, t0, time.perf_counter() - t0)
 
     def _prepare(self, step: int, tmp: Path, nbytes: int) -> str | None:
         """Rank 0 clears a stale temporary folder of this step before anyone writes into it (the agreement
@@ -368,9 +392,12 @@ class Saver:
             return self._failed(step, tmp, reasons, refused=False)
         self.consecutive_failures = 0
         self.saves += 1
-        if marker["kind"] == "full":
+        if marker["kind"] in ("full", DATA_ONLY):
             self.committed_steps.add(step)
-        if self.comm.rank == 0:
+        if self.comm.rank == 0 and marker["kind"] == DATA_ONLY:
+            logger.info("this replica group's data state of %s saved -> %s", final.name, final)
+            self._retain(step)
+        elif self.comm.rank == 0:
             logger.info("checkpoint %s saved: %s%s in %.2f s (training blocked %.2f s) -> %s",
                         final.name, human_bytes(marker.get("bytes", 0)),
                         "" if marker["kind"] == "full" else f", {marker['kind']} {marker['dtype']}",
@@ -392,7 +419,7 @@ class Saver:
             return
         infos = [c for c in scan_folder(self.folder) if not c.final and not c.leftover
                  and c.complete and c.step <= step and c.step not in self.damaged_steps]
-        full = [c for c in infos if c.kind == "full"]
+        full = [c for c in infos if c.kind in ("full", DATA_ONLY)]  # a folder holds one or the other
         if len(full) <= k:
             return
         keep_from = full[-k].step

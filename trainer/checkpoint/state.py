@@ -16,8 +16,10 @@ The DCP entries (other tools load ``{"model": sd}`` from any checkpoint):
 from __future__ import annotations
 
 import io
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -72,6 +74,12 @@ def pickle_bytes(obj: Any) -> bytes:
 
 def unpickle_bytes(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def read_loader_file(path) -> Any:
+    """A data-loader state sidecar as written by a save (JSON, or pickled when not JSON-able)."""
+    path = Path(path)
+    return json.loads(path.read_text()) if path.suffix == ".json" else unpickle_bytes(path.read_bytes())
 
 
 def _global_nbytes(obj: Any) -> tuple[int, int]:

@@ -147,12 +147,15 @@ def data_parallel(ft: FaultTolerance, dp: int, dp_rank: int) -> tuple[int, int]:
     return ft.group_size * dp, ft.replica_id * dp + dp_rank
 
 
-def use_replica_folder(config) -> None:
-    """Each replica group writes its outputs (config.toml, metrics.jsonl, TensorBoard, summary.json, its
-    checkpoints) under <job.dump_folder>/replica_<id>: the groups of one job share its dump folder."""
+def use_replica_folder(config) -> str:
+    """Each replica group writes its outputs (config.toml, metrics.jsonl, TensorBoard, summary.json) under
+    <job.dump_folder>/replica_<id>: the groups of one job share its dump folder. Returns the job's dump
+    folder, where the job's checkpoints are (trainer/checkpoint/replicas.py)."""
     ft: FaultTolerance = config.fault_tolerance
+    job = config.job.dump_folder
     if ft.enable:
-        config.job.dump_folder = os.path.join(config.job.dump_folder, f"replica_{ft.replica_id}")
+        config.job.dump_folder = os.path.join(job, f"replica_{ft.replica_id}")
+    return job
 
 
 def job_identity(config, env=os.environ) -> str | None:

@@ -238,6 +238,12 @@ class TorchFTReplicas:
             self.state.load_state_dict(sd["train"])
         self.callbacks.load_state_dict(sd["callbacks"])
 
+    def saves_job_checkpoint(self) -> bool:
+        """Whether this group writes the job's checkpoint of the step just taken: the lowest group of the
+        step's quorum (semi-synchronous, before the first synchronisation: group 0)."""
+        rank = self.manager.participating_rank()
+        return self.cfg.replica_id == 0 if rank is None else rank == 0
+
     # Records ---------------------------------------------------------------------------------------
 
     def metrics(self) -> dict:
