@@ -7,11 +7,10 @@ local_sgd and diloco: a lighthouse and 2 replica groups of 1 process (run_train.
 same global batch and data). Printed per method: the mean loss of the last 5 steps (over both groups for the
 semi-synchronous runs, each of which logs its own loss) and its ratio to plain HSDP's.
 
---outer LR,MOMENTUM also runs diloco with that outer optimizer (SGD, Nesterov when MOMENTUM > 0) instead of
-the fixed lr 0.7, momentum 0.9 (torchtitan's): a measuring device only, through a sitecustomize module in
-the workers. With --outer 1,0 DiLoCo's update is the average of the groups' parameters, which is exactly
-local_sgd: its loss must match local_sgd's, which checks the fragments, the pseudo-gradients' averaging and
-the sync_steps counting.
+--outer LR,MOMENTUM also runs diloco with that outer optimizer (fault_tolerance.outer_lr and outer_momentum:
+SGD, Nesterov when MOMENTUM > 0) instead of the default lr 0.7, momentum 0.9 (torchtitan's). With --outer 1,0
+DiLoCo's update is the average of the groups' parameters, which is exactly local_sgd: its loss must match
+local_sgd's, which checks the fragments, the pseudo-gradients' averaging and the sync_steps counting.
 """
 
 from __future__ import annotations
@@ -51,19 +50,6 @@ def plain(folder: Path, total: int) -> float:
     return last_mean([losses(dump / "metrics.jsonl")], total)
 
 
-PATCH = """
-import os, torch
-_lr, _momentum = (float(x) for x in os.environ["MEASURE_DILOCO_OUTER"].split(","))
-_SGD = torch.optim.SGD
-class SGD(_SGD):
-    def __init__(self, params, lr=1e-3, momentum=0, nesterov=False, **kw):
-        if lr == 0.7 and momentum == 0.9 and nesterov:  # DiLoCo's outer optimizer
-            lr, momentum, nesterov = _lr, _momentum, _momentum > 0
-        super().__init__(params, lr=lr, momentum=momentum, nesterov=nesterov, **kw)
-torch.optim.SGD = SGD
-"""
-
-
 def semi_sync(folder: Path, total: int, method: str, sync_steps: int, outer: str | None = None) -> float:
     port = free_port()
     lighthouse = subprocess.Popen([sys.executable, "-m", "trainer.cli", "lighthouse", "--port", str(port)],
@@ -71,15 +57,15 @@ def semi_sync(folder: Path, total: int, method: str, sync_steps: int, outer: str
     name = method if outer is None else f"{method}_outer_{outer.replace(',', '_')}"
     dump = folder / name
     env = {"TORCHFT_LIGHTHOUSE": f"http://localhost:{port}"}
+    extra = []
     if outer is not None:
-        (folder / "patch").mkdir(exist_ok=True)
-        (folder / "patch" / "sitecustomize.py").write_text(PATCH)
-        env.update(MEASURE_DILOCO_OUTER=outer, PYTHONPATH=str(folder / "patch"))
+        lr, momentum = outer.split(",")
+        extra = ["--fault_tolerance.outer_lr", lr, "--fault_tolerance.outer_momentum", momentum]
     try:
         groups = [launch(["--job.dump_folder", str(dump), "--training.steps", str(total), "--fault_tolerance.enable",
                           "--fault_tolerance.group_size", "2", "--fault_tolerance.replica_id", str(r),
                           "--fault_tolerance.semi_sync_method", method, "--fault_tolerance.sync_steps",
-                          str(sync_steps)], env,
+                          str(sync_steps), *extra], env,
                          folder / f"{name}_{r}.log") for r in (0, 1)]
         if any(g.wait() for g in groups):
             raise SystemExit(f"{name} failed: see {folder}/{name}_*.log")

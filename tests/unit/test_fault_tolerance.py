@@ -125,25 +125,28 @@ def test_diloco_fragments_cover_the_model_once():
         model_fragments(model, partial)
 
 
-def test_semi_sync_measuring_script_replaces_only_dilocos_outer_optimizer(tmp_path, monkeypatch):
-    """scripts/measure_ft_semi_sync.py --outer LR,MOMENTUM: the workers' DiLoCo outer SGD (lr 0.7, momentum
-    0.9, Nesterov) becomes SGD(LR, MOMENTUM), any other SGD is left alone; the last steps' mean loss is over
-    every group's records."""
+def test_dilocos_outer_optimizer_is_the_configured_sgd(tmp_path):
+    """fault_tolerance.outer_lr / outer_momentum (default: torchtitan's lr 0.7, momentum 0.9, Nesterov) reach
+    each fragment's outer SGD; the measuring script's mean loss is over every group's records."""
+    pytest.importorskip("torchft")
     import importlib.util
 
     import torch
 
+    from trainer.fault_tolerance.replicas import outer_optimizers
+
+    fragments = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)]
+    for args, want in [((), (0.7, 0.9, True)), (("--fault_tolerance.outer_lr", "1", "--fault_tolerance.outer_momentum",
+                                                  "0"), (1.0, 0.0, False))]:
+        outer = outer_optimizers(fragments, config(*ENABLED, *args).fault_tolerance)
+        assert len(outer) == 2 and [len(o.param_groups[0]["params"]) for o in outer] == [2, 2]
+        g = outer[0].param_groups[0]
+        assert (g["lr"], g["momentum"], g["nesterov"]) == want
+    with pytest.raises(ConfigError, match=r"outer_momentum in \[0, 1\)"):
+        validate(config(*ENABLED, "--fault_tolerance.outer_momentum", "1"), 2)
     spec = importlib.util.spec_from_file_location("measure_ft_semi_sync", ROOT / "scripts" / "measure_ft_semi_sync.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    monkeypatch.setenv("MEASURE_DILOCO_OUTER", "1,0")
-    monkeypatch.setattr(torch.optim, "SGD", torch.optim.SGD)  # restored after the patch replaces it
-    exec(script.PATCH, {})
-    p = [torch.nn.Parameter(torch.zeros(2))]
-    outer = torch.optim.SGD(p, lr=0.7, momentum=0.9, nesterov=True).param_groups[0]
-    assert (outer["lr"], outer["momentum"], outer["nesterov"]) == (1.0, 0.0, False)
-    other = torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True).param_groups[0]
-    assert (other["lr"], other["momentum"], other["nesterov"]) == (0.1, 0.9, True)
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps({"step": s, "loss": float(s)}) + "\n" for s in range(1, 11)) + '{"step": 11')
     assert script.last_mean([script.losses(metrics), {s: 0.0 for s in range(6, 11)}], 10) == 4.0

@@ -116,9 +116,10 @@ class CheckpointManager:
         at every ``checkpoint.interval`` steps and at the last step."""
         if not self.enabled:
             return
-        if self.data_saver is not None and (last or step % self.cfg.interval == 0):
+        due = last or step % self.cfg.interval == 0
+        if self.data_saver is not None and due:
             self.data_saver.save(step, kind=DATA_ONLY)
-        self.saver.maybe_save(step, last, write=self._writes_job_checkpoint())
+        self.saver.maybe_save(step, last, write=not due or self._writes_job_checkpoint())
 
     def _writes_job_checkpoint(self) -> bool:
         """Whether this process writes the full checkpoint of the step just taken: always, unless it is

@@ -72,6 +72,13 @@ class FaultTolerance:
     num_fragments: int = 1
     """DiLoCo: fragments the model is split into (Streaming DiLoCo syncs them in turn); unused with
     module_fqns_per_model_fragment."""
+    outer_lr: float = 0.7
+    """DiLoCo: the learning rate of the outer SGD applied to the averaged pseudo-gradients (0.7, with
+    outer_momentum 0.9 and Nesterov, is the DiLoCo paper's and torchtitan's fixed choice; 1 with momentum 0
+    makes a synchronisation the plain average of the groups' parameters, as local_sgd)."""
+    outer_momentum: float = 0.9
+    """DiLoCo: the outer SGD's momentum (Nesterov when > 0). Tuned in the DiLoCo paper for hundreds of
+    inner steps per synchronisation; over few, short rounds it overshoots (docs/multinode.md)."""
 
 
 SECTION_DOC = {
@@ -100,6 +107,9 @@ def check_config(config) -> None:
     if not 0 <= ft.fragment_sync_delay < ft.sync_steps:
         raise ConfigError(f"fault_tolerance.fragment_sync_delay must be >= 0 and < sync_steps ({ft.sync_steps}), "
                           f"got {ft.fragment_sync_delay}")
+    if ft.outer_lr <= 0 or not 0.0 <= ft.outer_momentum < 1.0:
+        raise ConfigError(f"fault_tolerance.outer_lr must be > 0 and outer_momentum in [0, 1), got {ft.outer_lr} and "
+                          f"{ft.outer_momentum}")
     if not 0.0 <= ft.fragment_update_alpha <= 1.0:
         raise ConfigError(f"fault_tolerance.fragment_update_alpha must be in [0, 1], got {ft.fragment_update_alpha}")
     if ft.semi_sync_method is not None and ft.semi_sync_method.lower() == "diloco":

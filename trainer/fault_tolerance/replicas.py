@@ -294,16 +294,21 @@ def model_fragments(model, cfg: FaultTolerance) -> list:
     return fragments
 
 
+def outer_optimizers(fragments: list, cfg: FaultTolerance) -> list[torch.optim.SGD]:
+    """DiLoCo's outer optimizer of each fragment: SGD with outer_lr and outer_momentum (Nesterov when > 0)."""
+    return [torch.optim.SGD([p for p in f.parameters() if p.requires_grad], lr=cfg.outer_lr,
+                            momentum=cfg.outer_momentum, nesterov=cfg.outer_momentum > 0) for f in fragments]
+
+
 def build_semi_sync(method: str, cfg: FaultTolerance, manager, model, optimizer, device: torch.device):
-    """torchft's LocalSGD (parameters averaged every sync_steps steps) or DiLoCo (an outer Nesterov SGD,
-    lr 0.7 and momentum 0.9 as in the DiLoCo paper, on the averaged pseudo-gradients of each fragment)."""
+    """torchft's LocalSGD (parameters averaged every sync_steps steps) or DiLoCo (an outer SGD on the averaged
+    pseudo-gradients of each fragment; by default Nesterov, lr 0.7 and momentum 0.9, as in the DiLoCo paper)."""
     from torchft import local_sgd
 
     if method == "local_sgd":
         return local_sgd.LocalSGD(manager=manager, model=model, optimizer=optimizer, sync_every=cfg.sync_steps)
     fragments = model_fragments(model, cfg)
-    outer = [torch.optim.SGD([p for p in f.parameters() if p.requires_grad], lr=0.7, momentum=0.9, nesterov=True)
-             for f in fragments]
+    outer = outer_optimizers(fragments, cfg)
     return local_sgd.DiLoCo(manager=manager, model_fragments=fragments, inner_optimizer=optimizer,
                             outer_optimizer=outer, sync_every=cfg.sync_steps, pin_memory=device.type == "cuda",
                             should_quantize=cfg.should_quantize, fragment_sync_delay=cfg.fragment_sync_delay,
