@@ -39,13 +39,15 @@ def window_fingerprint(windows: np.ndarray) -> int:
     if seqs.dtype != np.int64:
         seqs = seqs.astype(np.int64)
     w = _weights(seqs.shape[1])
-    with np.errstate(over="ignore"):
-        # sum((t + 1) * w) = sum(t * w) + sum(w), wrapping modulo 2**64 either way (einsum: one pass, no
-        # temporary array).
-        per_seq = np.einsum("ij,j->i", seqs, w) + _WEIGHT_SUMS[seqs.shape[1]]
-        # Mix the per-sequence values so that equal token multisets in different sequences differ.
-        per_seq = per_seq * 0x9E3779B1 + (per_seq >> 29)
-        return wrap_int64(int(per_seq.sum()))
+    # sum((t + 1) * w) = sum(t * w) + sum(w), wrapping modulo 2**64 either way (einsum: one pass, no
+    # temporary array; integer arrays wrap without a warning).
+    per_seq = np.einsum("ij,j->i", seqs, w) + _WEIGHT_SUMS[seqs.shape[1]]
+    # Mix the per-sequence values so that equal token multisets in different sequences differ: v * c + (v >> 29)
+    # of each int64 v, summed modulo 2**64 (in Python on the few values: cheaper than numpy calls on tiny arrays).
+    total = 0
+    for v in per_seq.tolist():
+        total += v * 0x9E3779B1 + (v >> 29)
+    return wrap_int64(total)
 
 
 def wrap_int64(value: int) -> int:

@@ -40,7 +40,7 @@ from trainer.data.prefetch import Prefetcher
 from trainer.errors import ConfigError, DataStateError
 from trainer.data.checks import batch_geometry
 from trainer.fingerprint import window_fingerprint
-from trainer.data.pipeline import STAT_KEYS, DataPlan, ShardStream, Window
+from trainer.data.pipeline import STAT_KEYS, DataPlan, ShardStream, Window, shard_state
 from trainer.data.readers import build_source
 from trainer.data.sources import DataError, SourceOptions, SourceSpec, training_specs, validation_spec
 
@@ -198,7 +198,7 @@ def collate_arrays(windows: list[Window], plan: DataPlan, tokens: np.ndarray | N
     stacked already."""
     if tokens is None:
         tokens = np.stack([w.tokens for w in windows])
-    batch = {"input": np.ascontiguousarray(tokens[:, :-1]), "labels": np.ascontiguousarray(tokens[:, 1:])}
+    batch = {"input": tokens[:, :-1].copy(), "labels": tokens[:, 1:].copy()}  # (copies: ``tokens`` is reused)
     if plan.positions:
         batch["positions"] = np.ascontiguousarray(np.stack([w.positions for w in windows])[:, :-1])
     if plan.debug:
@@ -267,29 +267,45 @@ class _RankDataset(IterableDataset):
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         n_shards, world, rank, b = self.plan.num_shards, self.world, self.rank, self.batch_size
         self._streams, self._replayed = {}, 0
+        streams = self._streams
         first = int(self.start["sequences"])
         micro = worker
         width = self.plan.seq_len + 1
+        # Without positions or document ids a window is only its tokens: the streams write them into the
+        # micro-batch's rows and nothing else is made.
+        bare = not (self.plan.positions or self.plan.debug)
+        keys = [str(j) for j in range(n_shards)]
+        # The windows are packed into the rows of one buffer, reused: a micro-batch's arrays are copies of it.
+        tokens = np.empty((b, width), dtype=np.int64)
+        rows = list(tokens)
         while True:
             windows, touched = [], {}
-            tokens = np.empty((b, width), dtype=np.int64)  # the windows are packed into their rows
-            for row, local in enumerate(range(first + micro * b, first + (micro + 1) * b)):
-                i = world * local + rank  # global sequence number
+            i = world * (first + micro * b) + rank  # global sequence number of the first row
+            for row in range(b):
                 j = i % n_shards
-                stream, n = self._stream(j), i // n_shards
-                if stream.n > n:
-                    raise DataError(f"data state of shard {j} is ahead of the loader ({stream.n} > {n})")
-                while stream.n < n:  # only when loader workers share a shard (see the module docstring)
-                    stream.next()
-                    self._replayed += 1
-                windows.append(stream.next(tokens[row]))
+                stream, n = streams.get(j) or self._stream(j), i // n_shards
+                if stream.n != n:
+                    if stream.n > n:
+                        raise DataError(f"data state of shard {j} is ahead of the loader ({stream.n} > {n})")
+                    while stream.n < n:  # only when loader workers share a shard (see the module docstring)
+                        stream.next()
+                        self._replayed += 1
+                if bare:
+                    stream.fill(rows[row])
+                else:
+                    windows.append(stream.next(rows[row]))
                 touched[j] = stream
+                i += world
             micro += num_workers
-            # The micro-batch, its fingerprint, and the states after it of the shards it came from (fresh
-            # dicts: nothing the stream changes later), with this worker's replay counter.
-            states = {str(j): st.state_dict() for j, st in touched.items()}
-            yield (collate_arrays(windows, self.plan, tokens), window_fingerprint(tokens),
-                   (worker, self._replayed, states))
+            # The micro-batch, its fingerprint, and the states after it of the shards it came from (snapshots:
+            # nothing the stream changes later; TrainLoader makes state dicts of them only when asked), with
+            # this worker's replay counter.
+            states = {keys[j]: st.snapshot() for j, st in touched.items()}
+            if bare:
+                arrays = {"input": tokens[:, :-1].copy(), "labels": tokens[:, 1:].copy()}
+            else:
+                arrays = collate_arrays(windows, self.plan, tokens)
+            yield arrays, window_fingerprint(tokens), (worker, self._replayed, states)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -325,7 +341,7 @@ class TrainLoader:
         # The states of the shards read since the start, as of the last micro-batch handed out that read each
         # (shards advance with the micro-batch number, so that is each one's newest), and the replay counter
         # of each loader worker.
-        self._consumed_shards: dict[str, dict] = {}
+        self._consumed_shards: dict[str, tuple] = {}  # snapshots (pipeline.ShardStream.snapshot)
         self._replayed: dict[int, int] = {}
         self._yielded = 0
 
@@ -399,7 +415,7 @@ class TrainLoader:
     def state_dict(self) -> dict:
         """This rank's position: local sequences consumed and the state of each of its shards."""
         shards = copy.deepcopy(self._start["shards"])
-        shards.update(copy.deepcopy(self._consumed_shards))
+        shards.update({j: shard_state(snap) for j, snap in self._consumed_shards.items()})
         return {
             "format": STATE_FORMAT, "kind": "rank", "fingerprint": self.plan.fingerprint(),
             "num_shards": self.plan.num_shards, "dp_rank": self.dp_rank, "dp_world_size": self.dp_world_size,
