@@ -29,7 +29,10 @@ def sequence_fingerprint(inputs, labels) -> int:
     """Wrapping sum of per-sequence hashes of [input tokens..., last label] for a [B, S] batch (numpy
     arrays or CPU tensors). Computed in numpy int64, which wraps like torch's, so the training thread never
     reads a tensor through torch's dispatcher."""
-    return window_fingerprint(np.concatenate([np.asarray(inputs), np.asarray(labels)[:, -1:]], axis=1))
+    inputs, labels = np.asarray(inputs), np.asarray(labels)
+    if inputs.dtype != np.int64:
+        inputs = inputs.astype(np.int64)
+    return split_fingerprint(inputs, labels[:, -1])
 
 
 def window_fingerprint(windows: np.ndarray) -> int:
@@ -41,7 +44,18 @@ def window_fingerprint(windows: np.ndarray) -> int:
     w = _weights(seqs.shape[1])
     # sum((t + 1) * w) = sum(t * w) + sum(w), wrapping modulo 2**64 either way (einsum: one pass, no
     # temporary array; integer arrays wrap without a warning).
-    per_seq = np.einsum("ij,j->i", seqs, w) + _WEIGHT_SUMS[seqs.shape[1]]
+    return _mix(np.einsum("ij,j->i", seqs, w) + _WEIGHT_SUMS[seqs.shape[1]])
+
+
+def split_fingerprint(inputs: np.ndarray, last: np.ndarray) -> int:
+    """The same fingerprint from int64 inputs [B, S] and the last label of each sequence [B] (the windows
+    without being put together: the wrapping sums are the same in any order)."""
+    w = _weights(inputs.shape[1] + 1)
+    last = np.asarray(last, dtype=np.int64)
+    return _mix(np.einsum("ij,j->i", inputs, w[:-1]) + last * w[-1] + _WEIGHT_SUMS[inputs.shape[1] + 1])
+
+
+def _mix(per_seq: np.ndarray) -> int:
     # Mix the per-sequence values so that equal token multisets in different sequences differ: v * c + (v >> 29)
     # of each int64 v, summed modulo 2**64 (in Python on the few values: cheaper than numpy calls on tiny arrays).
     total = 0
