@@ -232,8 +232,12 @@ def _keep(batch):
 class _RankDataset(IterableDataset):
     """One rank's micro-batches; inside loader worker w of K, only micro-batches w, w+K, ... ."""
 
-    def __init__(self, plan: DataPlan, rank: int, world: int, batch_size: int, start: dict):
+    def __init__(self, plan: DataPlan, rank: int, world: int, batch_size: int, start: dict, snapshots: bool = True):
         self.plan, self.rank, self.world, self.batch_size = plan, rank, world, batch_size
+        # snapshots=False: micro-batches carry no states, the reader takes them from the live streams (only right
+        # when each micro-batch is consumed as soon as it is made: no worker process, no prefetch thread).
+        self.snapshots = snapshots
+        self.failed = False  # an error stopped a micro-batch half made: the live streams are past it
         self.start = start  # {"sequences": local sequences consumed, "shards": {str(j): ShardStream state}}
         self._streams: dict[int, ShardStream] = {}
         self._replayed = 0  # sequences generated only to skip them (shards shared between workers)
@@ -278,7 +282,9 @@ class _RankDataset(IterableDataset):
         # The windows are packed into the rows of one buffer, reused: a micro-batch's arrays are copies of it.
         tokens = np.empty((b, width), dtype=np.int64)
         rows = list(tokens)
+        self.failed = True  # until the first micro-batch is made (and again while one is being made)
         while True:
+            self.failed = True
             windows, touched = [], {}
             i = world * (first + micro * b) + rank  # global sequence number of the first row
             for row in range(b):
@@ -300,12 +306,14 @@ class _RankDataset(IterableDataset):
             # The micro-batch, its fingerprint, and the states after it of the shards it came from (snapshots:
             # nothing the stream changes later; TrainLoader makes state dicts of them only when asked), with
             # this worker's replay counter.
-            states = {keys[j]: st.snapshot() for j, st in touched.items()}
+            states = {keys[j]: st.snapshot() for j, st in touched.items()} if self.snapshots else None
             if bare:
                 arrays = {"input": tokens[:, :-1].copy(), "labels": tokens[:, 1:].copy()}
             else:
                 arrays = collate_arrays(windows, self.plan, tokens)
-            yield arrays, window_fingerprint(tokens), (worker, self._replayed, states)
+            fingerprint = window_fingerprint(tokens)
+            self.failed = False
+            yield arrays, fingerprint, (worker, self._replayed, states)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -337,6 +345,8 @@ class TrainLoader:
         self._start: dict = {"sequences": 0, "shards": {}}
         self._loader = None
         self._iter = None
+        self._live: _RankDataset | None = None
+        self._lost: str | None = None  # why the position is not known (closed after an error mid-micro-batch)
         self._prefetcher: Prefetcher | None = None
         # The states of the shards read since the start, as of the last micro-batch handed out that read each
         # (shards advance with the micro-batch number, so that is each one's newest), and the replay counter
@@ -360,7 +370,8 @@ class TrainLoader:
         if self._iter is None:
             self._start_loader()
         batch, (worker, replayed, shards) = self._prefetcher.get() if self._prefetcher else self._produce()
-        self._consumed_shards.update(shards)
+        if shards is not None:
+            self._consumed_shards.update(shards)
         self._replayed[worker] = replayed
         self._yielded += 1
         return batch
@@ -368,8 +379,15 @@ class TrainLoader:
     def _start_loader(self) -> None:
         from torchdata.stateful_dataloader import StatefulDataLoader
 
+        if self._lost:
+            raise DataStateError(self._lost)
+
+        # In this process with nothing made ahead, the state is read from the dataset's live streams when asked
+        # for; otherwise every micro-batch carries the states of its shards.
+        live = self.num_workers == 0 and self.prefetch_batches == 0
         dataset = _RankDataset(self.plan, self.dp_rank, self.dp_world_size, self.local_batch_size,
-                               copy.deepcopy(self._start))
+                               copy.deepcopy(self._start), snapshots=not live)
+        self._live = dataset if live else None
         if self.num_workers == 0:
             # In this process: StatefulDataLoader would only hand the dataset's micro-batches through (its
             # per-batch bookkeeping was a sixth of the loader's time on token files), so iterate the dataset.
@@ -397,8 +415,11 @@ class TrainLoader:
     def close(self) -> None:
         """Stop the worker processes (the next ``next()`` starts them again from the current state)."""
         if self._iter is not None:
-            state = self.state_dict()
-            self._start = {"sequences": state["sequences"], "shards": state["shards"]}
+            try:
+                state = self.state_dict()
+                self._start = {"sequences": state["sequences"], "shards": state["shards"]}
+            except DataStateError as e:  # (closing after an error: the loader cannot go on, nor say where it is)
+                self._lost = str(e)
         self._reset()
 
     def _reset(self) -> None:
@@ -406,6 +427,7 @@ class TrainLoader:
             self._prefetcher.close()
             self._prefetcher = None
         self._consumed_shards, self._replayed = {}, {}
+        self._live = None
         self._iter = None
         self._loader = None
         self._yielded = 0
@@ -414,7 +436,14 @@ class TrainLoader:
 
     def state_dict(self) -> dict:
         """This rank's position: local sequences consumed and the state of each of its shards."""
+        if self._lost:
+            raise DataStateError(self._lost)
         shards = copy.deepcopy(self._start["shards"])
+        if self._live is not None and not self._live.failed:
+            shards.update({str(j): s.state_dict() for j, s in self._live._streams.items()})
+        elif self._live is not None and self._yielded:  # (before the first micro-batch: the start state)
+            raise DataStateError("the data loader stopped on an error in the middle of a micro-batch: its position "
+                                 "is not known; resume from the last checkpoint")
         shards.update({j: shard_state(snap) for j, snap in self._consumed_shards.items()})
         return {
             "format": STATE_FORMAT, "kind": "rank", "fingerprint": self.plan.fingerprint(),
@@ -436,6 +465,7 @@ class TrainLoader:
                 f"{self.dp_rank} of {self.dp_world_size}; save merge_states([...]) of all ranks and load that"
             )
         self._start = {"sequences": int(state["sequences"]), "shards": copy.deepcopy(state["shards"])}
+        self._lost = None
         self._reset()
 
     def load_global_state(self, state: dict) -> None:
@@ -451,6 +481,7 @@ class TrainLoader:
             )
         shards = {j: copy.deepcopy(st) for j, st in state["shards"].items() if int(j) % world == self.dp_rank}
         self._start = {"sequences": total // world, "shards": shards}
+        self._lost = None
         self._reset()
 
     def _check(self, state: dict) -> None:

@@ -656,8 +656,8 @@ class ShardStream:
     def snapshot(self) -> tuple:
         """The state as of now at the cost of a few tuples; :func:`shard_state` turns it into what
         ``state_dict()`` returns now. A micro-batch carries one per shard it read."""
-        return (self.n, self.k, self.plan.weights, tuple((s, p.snapshot()) for s, p in self._packers.items()),
-                tuple(self._saved.items()) if self._saved else ())
+        return (self.n, self.k, self.plan.weights, [(s, p.snapshot()) for s, p in self._packers.items()],
+                list(self._saved.items()) if self._saved else ())
 
     def load_state_dict(self, sd: dict) -> None:
         self.n = int(sd["n"])
