@@ -319,11 +319,14 @@ def losses(formats, tmp_path_factory, mp) -> dict[str, dict[int, float]]:
     the straight runs are the reference of the resumed one)."""
     out = {}
     root = tmp_path_factory.mktemp("runs")
+    before = set(prefetch_threads())
     for name in ("numpy", "arrow"):
         rc, log = train_in_process(root / name, "--training.steps", "10", *RUN, "--training.dataset", name,
                                    "--training.dataset_path", str(formats[name]), monkeypatch=mp)
         assert rc == 0, log[-3000:]
         out[name] = {r["step"]: r["loss"] for r in read_metrics(root / name)}
+        # (right after the run, before anything collects garbage)
+        out.setdefault("prefetch_threads_left", []).extend(t.name for t in prefetch_threads() if t not in before)
     for steps in (5, 10):
         rc, log = train_in_process(root / "megatron", "--training.steps", str(steps), *RUN, "--checkpoint.enable",
                                    "--checkpoint.interval", "5", "--checkpoint.last_save_model_only", "false",
@@ -334,6 +337,18 @@ def losses(formats, tmp_path_factory, mp) -> dict[str, dict[int, float]]:
     out["megatron"] = {r["step"]: r["loss"] for r in records}
     out["megatron_steps"] = [r["step"] for r in records]
     return out
+
+
+def prefetch_threads() -> list:
+    import threading
+
+    return [t for t in threading.enumerate() if t.name == "batch-prefetch" and t.is_alive()]
+
+
+def test_an_in_process_run_leaves_no_prefetch_thread(losses):
+    """The training loop closes its loader at the end of a run: its batch-prefetch thread (data.prefetch_batches
+    is 2 in these runs) has ended when main() returns."""
+    assert losses["prefetch_threads_left"] == []
 
 
 def test_three_formats_give_bitwise_equal_losses_for_ten_steps(losses):
