@@ -645,7 +645,7 @@ class ShardStream:
             packer = self._packers.get(0) or self.packer(0)
         else:
             packer = self.packer(self.choose())
-        packer.fill(out)
+        packer._window(out, None, None)  # (Packer.fill)
         self.n += 1
 
     def state_dict(self) -> dict:
