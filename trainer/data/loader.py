@@ -282,10 +282,13 @@ class _RankDataset(IterableDataset):
         # The windows are packed into the rows of one buffer, reused: a micro-batch's arrays are copies of it.
         tokens = np.empty((b, width), dtype=np.int64)
         rows = list(tokens)
-        self.failed = True  # until the first micro-batch is made (and again while one is being made)
+        snapshots = self.snapshots
+        touched: dict = {}
         while True:
-            self.failed = True
-            windows, touched = [], {}
+            self.failed = True  # while a micro-batch is being made
+            windows = []
+            if snapshots:
+                touched = {}
             i = world * (first + micro * b) + rank  # global sequence number of the first row
             for row in range(b):
                 j = i % n_shards
@@ -300,13 +303,14 @@ class _RankDataset(IterableDataset):
                     stream.fill(rows[row])
                 else:
                     windows.append(stream.next(rows[row]))
-                touched[j] = stream
+                if snapshots:
+                    touched[j] = stream
                 i += world
             micro += num_workers
             # The micro-batch, its fingerprint, and the states after it of the shards it came from (snapshots:
             # nothing the stream changes later; TrainLoader makes state dicts of them only when asked), with
             # this worker's replay counter.
-            states = {keys[j]: st.snapshot() for j, st in touched.items()} if self.snapshots else None
+            states = {keys[j]: st.snapshot() for j, st in touched.items()} if snapshots else None
             if bare:
                 arrays = {"input": tokens[:, :-1].copy(), "labels": tokens[:, 1:].copy()}
             else:
@@ -408,7 +412,9 @@ class TrainLoader:
         """The next micro-batch (tensors, pinned if asked, with its fingerprint) and what it brings of the
         state (runs on the prefetch thread when there is one)."""
         arrays, fingerprint, update = next(self._iter)
-        batch = MicroBatch(to_tensors(arrays, self.pin_memory))
+        batch = MicroBatch()
+        for k, v in arrays.items():
+            batch[k] = torch.from_numpy(v).pin_memory() if self.pin_memory else torch.from_numpy(v)
         batch.fingerprint = fingerprint
         return batch, update
 
