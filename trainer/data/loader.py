@@ -419,7 +419,8 @@ class TrainLoader:
         return batch, update
 
     def close(self) -> None:
-        """Stop the worker processes (the next ``next()`` starts them again from the current state)."""
+        """Stop the worker processes and the prefetch thread (the next ``next()`` starts them again from the
+        current state). The training loop closes its loader at the end of a run."""
         if self._iter is not None:
             try:
                 state = self.state_dict()
