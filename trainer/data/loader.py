@@ -39,7 +39,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from trainer.data.prefetch import Prefetcher
 from trainer.errors import ConfigError, DataStateError
 from trainer.data.checks import batch_geometry
-from trainer.fingerprint import window_fingerprint
+from trainer.fingerprint import split_fingerprint, window_fingerprint
 from trainer.data.pipeline import STAT_KEYS, DataPlan, ShardStream, Window, shard_state
 from trainer.data.readers import build_source
 from trainer.data.sources import DataError, SourceOptions, SourceSpec, training_specs, validation_spec
@@ -280,7 +280,9 @@ class _RankDataset(IterableDataset):
         bare = not (self.plan.positions or self.plan.debug)
         keys = [str(j) for j in range(n_shards)]
         # The windows are packed into the rows of one buffer, reused: a micro-batch's arrays are copies of it.
-        tokens = np.empty((b, width), dtype=np.int64)
+        # Without positions or ids, in the type the tokens are stored in (e.g. uint16 token files): the copies
+        # of documents into it move fewer bytes, and the two copies out of it widen to int64.
+        tokens = np.empty((b, width), dtype=self.plan.token_dtype() if bare else np.int64)
         rows = list(tokens)
         snapshots = self.snapshots
         touched: dict = {}
@@ -312,10 +314,12 @@ class _RankDataset(IterableDataset):
             # this worker's replay counter.
             states = {keys[j]: st.snapshot() for j, st in touched.items()} if snapshots else None
             if bare:
-                arrays = {"input": tokens[:, :-1].copy(), "labels": tokens[:, 1:].copy()}
+                inputs, labels = tokens[:, :-1].astype(np.int64), tokens[:, 1:].astype(np.int64)
+                arrays = {"input": inputs, "labels": labels}
+                fingerprint = split_fingerprint(inputs, labels[:, -1])
             else:
                 arrays = collate_arrays(windows, self.plan, tokens)
-            fingerprint = window_fingerprint(tokens)
+                fingerprint = window_fingerprint(tokens)
             self.failed = False
             yield arrays, fingerprint, (worker, self._replayed, states)
 

@@ -70,6 +70,15 @@ class DataPlan:
     eos_id: int | None = None
     extra: dict = field(default_factory=dict)
 
+    def token_dtype(self) -> np.dtype:
+        """A type that holds every token of every source as stored (what windows can be packed in before they
+        are widened to int64): the sources' common integer type, else int64 (text, mixed types)."""
+        found = [s.token_dtype() for s in self.sources]
+        if not found or any(d is None for d in found):
+            return np.dtype(np.int64)
+        common = np.result_type(*found)
+        return common if common.kind in "iu" and common.itemsize <= 8 else np.dtype(np.int64)
+
     def fingerprint(self) -> dict:
         """What a checkpoint's data state depends on (weights, seq_len and separator may change)."""
         return {
@@ -437,7 +446,7 @@ class Packer:
         return Window(tokens, positions, uids, source, shard)
 
     def fill(self, out: np.ndarray) -> None:
-        """The next window's tokens into ``out`` (int64, seq_len + 1): ``next_window`` for a plan without
+        """The next window's tokens into ``out`` (seq_len + 1, int64 or plan.token_dtype()): ``next_window`` for a plan without
         positions or document ids, with nothing else made."""
         self._window(out, None, None)
 
