@@ -13,6 +13,7 @@ import torch
 
 _WEIGHTS: dict[int, np.ndarray] = {}
 _WEIGHT_SUMS: dict[int, np.int64] = {}
+_SPLIT: dict[int, tuple] = {}  # split_fingerprint's weights by window length: all but the last, the last, the sum
 
 
 def _weights(length: int) -> np.ndarray:
@@ -50,16 +51,23 @@ def window_fingerprint(windows: np.ndarray) -> int:
 def split_fingerprint(inputs: np.ndarray, last: np.ndarray) -> int:
     """The same fingerprint from int64 inputs [B, S] and the last label of each sequence [B] (the windows
     without being put together: the wrapping sums are the same in any order)."""
-    w = _weights(inputs.shape[1] + 1)
-    last = np.asarray(last, dtype=np.int64)
-    return _mix(np.einsum("ij,j->i", inputs, w[:-1]) + last * w[-1] + _WEIGHT_SUMS[inputs.shape[1] + 1])
+    length = inputs.shape[1] + 1
+    parts = _SPLIT.get(length)
+    if parts is None:
+        w = _weights(length)
+        parts = _SPLIT[length] = (w[:-1], int(w[-1]), int(_WEIGHT_SUMS[length]))
+    head, w_last, w_sum = parts
+    # The few per-sequence values in Python: the last label's term and sum(w) added, each wrapped to int64.
+    return _mix([wrap_int64(d + t * w_last + w_sum)
+                 for d, t in zip(np.einsum("ij,j->i", inputs, head).tolist(), np.asarray(last).tolist())])
 
 
-def _mix(per_seq: np.ndarray) -> int:
-    # Mix the per-sequence values so that equal token multisets in different sequences differ: v * c + (v >> 29)
-    # of each int64 v, summed modulo 2**64 (in Python on the few values: cheaper than numpy calls on tiny arrays).
+def _mix(per_seq) -> int:
+    # Mix the per-sequence values (int64) so that equal token multisets in different sequences differ:
+    # v * c + (v >> 29) of each v, summed modulo 2**64 (in Python on the few values: cheaper than numpy calls on
+    # tiny arrays).
     total = 0
-    for v in per_seq.tolist():
+    for v in (per_seq.tolist() if isinstance(per_seq, np.ndarray) else per_seq):
         total += v * 0x9E3779B1 + (v >> 29)
     return wrap_int64(total)
 
