@@ -533,9 +533,12 @@ class Packer:
         if k >= i:  # documents i..k are read now: counted as docs.next() counts them
             stats["documents"] += k - i + 1
             stats["tokens"] += cum[k] - (cum[i - 1] if i else 0)
-            for key, c in (("documents_without_eos", layout.cum_no_eos), ("long_documents", layout.cum_long)):
-                if c is not None:
-                    stats[key] += c[k] - (c[i - 1] if i else 0)
+            c = layout.cum_no_eos
+            if c is not None:
+                stats["documents_without_eos"] += c[k] - (c[i - 1] if i else 0)
+            c = layout.cum_long
+            if c is not None:
+                stats["long_documents"] += c[k] - (c[i - 1] if i else 0)
             reader.epoch_docs += k - i + 1
             reader.block_index = k + 1
             reader.last = (reader._block_unit, layout.coords[k])
