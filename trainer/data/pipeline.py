@@ -445,12 +445,8 @@ class Packer:
         self._window(tokens, positions, uids)
         return Window(tokens, positions, uids, source, shard)
 
-    def fill(self, out: np.ndarray) -> None:
-        """The next window's tokens into ``out`` (seq_len + 1, int64 or plan.token_dtype()): ``next_window`` for a plan without
-        positions or document ids, with nothing else made."""
-        self._window(out, None, None)
-
     def _window(self, tokens: np.ndarray, positions, uids) -> None:
+        """The next window's tokens into ``tokens`` (and its positions and document ids when given)."""
         if self._pending is not None:
             self._restore()
         width = self.width
@@ -651,13 +647,13 @@ class ShardStream:
         return window
 
     def fill(self, out: np.ndarray) -> None:
-        """The next sequence's tokens into ``out`` (plans without positions or document ids): ``next``
-        without the Window."""
+        """The next sequence's tokens into ``out`` (seq_len + 1 of int64 or of ``plan.token_dtype()``; plans
+        without positions or document ids): ``next`` without the Window."""
         if len(self._thresholds) == 1:  # one source: no schedule to advance
             packer = self._packers.get(0) or self.packer(0)
         else:
             packer = self.packer(self.choose())
-        packer._window(out, None, None)  # (Packer.fill)
+        packer._window(out, None, None)
         self.n += 1
 
     def state_dict(self) -> dict:
