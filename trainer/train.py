@@ -430,6 +430,7 @@ class Trainer:
         finally:
             stopping.restore()
             self.replicas.close()
+            self.train_loader.close()  # its prefetch thread and worker processes end with the run
         self.metrics.close()
 
 

@@ -278,6 +278,37 @@ def test_a_bad_id_is_named_by_the_loader_in_every_format(tmp_path, tokenizer):
         ld.close()
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_after_an_error_mid_batch_the_state_is_the_last_one_known(tmp_path, tokenizer, prefetch):
+    """A loader reading in its own thread takes its state from its live streams: after an error in the middle
+    of a micro-batch it says its position is unknown (rather than give one past the batches trained on); one
+    that carries states with its batches keeps the last good one. Either way close() does not raise."""
+    from trainer.errors import DataStateError
+
+    big = [d.copy() for d in DOCS[:40]]
+    big[30][1] = 9999
+    path = write_all(tmp_path, big)["megatron"]
+    ld = loader(path, "megatron", tokenizer, **{"data.num_shards": 1, "data.shuffle": False,
+                                                "data.prefetch_batches": prefetch})
+    good = []
+    with pytest.raises(DataError, match="document 10 holds token id 9999"):  # (document 10 of the second file)
+        for _ in range(40):
+            next(ld)
+            good.append(ld.state_dict())
+    if prefetch:
+        assert ld.state_dict() == good[-1]
+    else:
+        with pytest.raises(DataStateError, match="position is not known"):
+            ld.state_dict()
+    ld.close()
+    if not prefetch:
+        with pytest.raises(DataStateError):
+            next(ld)
+    ld.load_state_dict(good[-1])  # a known state makes it usable again
+    assert ld.state_dict() == good[-1]
+    ld.close()
+
+
 RUN = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--data.num_shards", "4",
        "--debug.deterministic", "--lr_scheduler.decay_type", "constant"]
 
@@ -288,11 +319,14 @@ def losses(formats, tmp_path_factory, mp) -> dict[str, dict[int, float]]:
     the straight runs are the reference of the resumed one)."""
     out = {}
     root = tmp_path_factory.mktemp("runs")
+    before = set(prefetch_threads())
     for name in ("numpy", "arrow"):
         rc, log = train_in_process(root / name, "--training.steps", "10", *RUN, "--training.dataset", name,
                                    "--training.dataset_path", str(formats[name]), monkeypatch=mp)
         assert rc == 0, log[-3000:]
         out[name] = {r["step"]: r["loss"] for r in read_metrics(root / name)}
+        # (right after the run, before anything collects garbage)
+        out.setdefault("prefetch_threads_left", []).extend(t.name for t in prefetch_threads() if t not in before)
     for steps in (5, 10):
         rc, log = train_in_process(root / "megatron", "--training.steps", str(steps), *RUN, "--checkpoint.enable",
                                    "--checkpoint.interval", "5", "--checkpoint.last_save_model_only", "false",
@@ -303,6 +337,18 @@ def losses(formats, tmp_path_factory, mp) -> dict[str, dict[int, float]]:
     out["megatron"] = {r["step"]: r["loss"] for r in records}
     out["megatron_steps"] = [r["step"] for r in records]
     return out
+
+
+def prefetch_threads() -> list:
+    import threading
+
+    return [t for t in threading.enumerate() if t.name == "batch-prefetch" and t.is_alive()]
+
+
+def test_an_in_process_run_leaves_no_prefetch_thread(losses):
+    """The training loop closes its loader at the end of a run: its batch-prefetch thread (data.prefetch_batches
+    is 2 in these runs) has ended when main() returns."""
+    assert losses["prefetch_threads_left"] == []
 
 
 def test_three_formats_give_bitwise_equal_losses_for_ten_steps(losses):

@@ -39,8 +39,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 from trainer.data.prefetch import Prefetcher
 from trainer.errors import ConfigError, DataStateError
 from trainer.data.checks import batch_geometry
-from trainer.fingerprint import window_fingerprint
-from trainer.data.pipeline import STAT_KEYS, DataPlan, ShardStream, Window
+from trainer.fingerprint import split_fingerprint, window_fingerprint
+from trainer.data.pipeline import STAT_KEYS, DataPlan, ShardStream, Window, shard_state
 from trainer.data.readers import build_source
 from trainer.data.sources import DataError, SourceOptions, SourceSpec, training_specs, validation_spec
 
@@ -198,7 +198,7 @@ def collate_arrays(windows: list[Window], plan: DataPlan, tokens: np.ndarray | N
     stacked already."""
     if tokens is None:
         tokens = np.stack([w.tokens for w in windows])
-    batch = {"input": np.ascontiguousarray(tokens[:, :-1]), "labels": np.ascontiguousarray(tokens[:, 1:])}
+    batch = {"input": tokens[:, :-1].copy(), "labels": tokens[:, 1:].copy()}  # (copies: ``tokens`` is reused)
     if plan.positions:
         batch["positions"] = np.ascontiguousarray(np.stack([w.positions for w in windows])[:, :-1])
     if plan.debug:
@@ -232,8 +232,12 @@ def _keep(batch):
 class _RankDataset(IterableDataset):
     """One rank's micro-batches; inside loader worker w of K, only micro-batches w, w+K, ... ."""
 
-    def __init__(self, plan: DataPlan, rank: int, world: int, batch_size: int, start: dict):
+    def __init__(self, plan: DataPlan, rank: int, world: int, batch_size: int, start: dict, snapshots: bool = True):
         self.plan, self.rank, self.world, self.batch_size = plan, rank, world, batch_size
+        # snapshots=False: micro-batches carry no states, the reader takes them from the live streams (only right
+        # when each micro-batch is consumed as soon as it is made: no worker process, no prefetch thread).
+        self.snapshots = snapshots
+        self.failed = False  # an error stopped a micro-batch half made: the live streams are past it
         self.start = start  # {"sequences": local sequences consumed, "shards": {str(j): ShardStream state}}
         self._streams: dict[int, ShardStream] = {}
         self._replayed = 0  # sequences generated only to skip them (shards shared between workers)
@@ -267,29 +271,57 @@ class _RankDataset(IterableDataset):
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         n_shards, world, rank, b = self.plan.num_shards, self.world, self.rank, self.batch_size
         self._streams, self._replayed = {}, 0
+        streams = self._streams
         first = int(self.start["sequences"])
         micro = worker
         width = self.plan.seq_len + 1
+        # Without positions or document ids a window is only its tokens: the streams write them into the
+        # micro-batch's rows and nothing else is made.
+        bare = not (self.plan.positions or self.plan.debug)
+        keys = [str(j) for j in range(n_shards)]
+        # The windows are packed into the rows of one buffer, reused: a micro-batch's arrays are copies of it.
+        # Without positions or ids, in the type the tokens are stored in (e.g. uint16 token files): the copies
+        # of documents into it move fewer bytes, and the two copies out of it widen to int64.
+        tokens = np.empty((b, width), dtype=self.plan.token_dtype() if bare else np.int64)
+        rows = list(tokens)
+        snapshots = self.snapshots
+        touched: dict = {}
         while True:
-            windows, touched = [], {}
-            tokens = np.empty((b, width), dtype=np.int64)  # the windows are packed into their rows
-            for row, local in enumerate(range(first + micro * b, first + (micro + 1) * b)):
-                i = world * local + rank  # global sequence number
+            self.failed = True  # while a micro-batch is being made
+            windows = []
+            if snapshots:
+                touched = {}
+            i = world * (first + micro * b) + rank  # global sequence number of the first row
+            for row in range(b):
                 j = i % n_shards
-                stream, n = self._stream(j), i // n_shards
-                if stream.n > n:
-                    raise DataError(f"data state of shard {j} is ahead of the loader ({stream.n} > {n})")
-                while stream.n < n:  # only when loader workers share a shard (see the module docstring)
-                    stream.next()
-                    self._replayed += 1
-                windows.append(stream.next(tokens[row]))
-                touched[j] = stream
+                stream, n = streams.get(j) or self._stream(j), i // n_shards
+                if stream.n != n:
+                    if stream.n > n:
+                        raise DataError(f"data state of shard {j} is ahead of the loader ({stream.n} > {n})")
+                    while stream.n < n:  # only when loader workers share a shard (see the module docstring)
+                        stream.next()
+                        self._replayed += 1
+                if bare:
+                    stream.fill(rows[row])
+                else:
+                    windows.append(stream.next(rows[row]))
+                if snapshots:
+                    touched[j] = stream
+                i += world
             micro += num_workers
-            # The micro-batch, its fingerprint, and the states after it of the shards it came from (fresh
-            # dicts: nothing the stream changes later), with this worker's replay counter.
-            states = {str(j): st.state_dict() for j, st in touched.items()}
-            yield (collate_arrays(windows, self.plan, tokens), window_fingerprint(tokens),
-                   (worker, self._replayed, states))
+            # The micro-batch, its fingerprint, and the states after it of the shards it came from (snapshots:
+            # nothing the stream changes later; TrainLoader makes state dicts of them only when asked), with
+            # this worker's replay counter.
+            states = {keys[j]: st.snapshot() for j, st in touched.items()} if snapshots else None
+            if bare:
+                inputs, labels = tokens[:, :-1].astype(np.int64), tokens[:, 1:].astype(np.int64)
+                arrays = {"input": inputs, "labels": labels}
+                fingerprint = split_fingerprint(inputs, labels[:, -1])
+            else:
+                arrays = collate_arrays(windows, self.plan, tokens)
+                fingerprint = window_fingerprint(tokens)
+            self.failed = False
+            yield arrays, fingerprint, (worker, self._replayed, states)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -321,11 +353,13 @@ class TrainLoader:
         self._start: dict = {"sequences": 0, "shards": {}}
         self._loader = None
         self._iter = None
+        self._live: _RankDataset | None = None
+        self._lost: str | None = None  # why the position is not known (closed after an error mid-micro-batch)
         self._prefetcher: Prefetcher | None = None
         # The states of the shards read since the start, as of the last micro-batch handed out that read each
         # (shards advance with the micro-batch number, so that is each one's newest), and the replay counter
         # of each loader worker.
-        self._consumed_shards: dict[str, dict] = {}
+        self._consumed_shards: dict[str, tuple] = {}  # snapshots (pipeline.ShardStream.snapshot)
         self._replayed: dict[int, int] = {}
         self._yielded = 0
 
@@ -344,7 +378,8 @@ class TrainLoader:
         if self._iter is None:
             self._start_loader()
         batch, (worker, replayed, shards) = self._prefetcher.get() if self._prefetcher else self._produce()
-        self._consumed_shards.update(shards)
+        if shards is not None:
+            self._consumed_shards.update(shards)
         self._replayed[worker] = replayed
         self._yielded += 1
         return batch
@@ -352,8 +387,15 @@ class TrainLoader:
     def _start_loader(self) -> None:
         from torchdata.stateful_dataloader import StatefulDataLoader
 
+        if self._lost:
+            raise DataStateError(self._lost)
+
+        # In this process with nothing made ahead, the state is read from the dataset's live streams when asked
+        # for; otherwise every micro-batch carries the states of its shards.
+        live = self.num_workers == 0 and self.prefetch_batches == 0
         dataset = _RankDataset(self.plan, self.dp_rank, self.dp_world_size, self.local_batch_size,
-                               copy.deepcopy(self._start))
+                               copy.deepcopy(self._start), snapshots=not live)
+        self._live = dataset if live else None
         if self.num_workers == 0:
             # In this process: StatefulDataLoader would only hand the dataset's micro-batches through (its
             # per-batch bookkeeping was a sixth of the loader's time on token files), so iterate the dataset.
@@ -374,15 +416,21 @@ class TrainLoader:
         """The next micro-batch (tensors, pinned if asked, with its fingerprint) and what it brings of the
         state (runs on the prefetch thread when there is one)."""
         arrays, fingerprint, update = next(self._iter)
-        batch = MicroBatch(to_tensors(arrays, self.pin_memory))
+        batch = MicroBatch()
+        for k, v in arrays.items():
+            batch[k] = torch.from_numpy(v).pin_memory() if self.pin_memory else torch.from_numpy(v)
         batch.fingerprint = fingerprint
         return batch, update
 
     def close(self) -> None:
-        """Stop the worker processes (the next ``next()`` starts them again from the current state)."""
+        """Stop the worker processes and the prefetch thread (the next ``next()`` starts them again from the
+        current state). The training loop closes its loader at the end of a run."""
         if self._iter is not None:
-            state = self.state_dict()
-            self._start = {"sequences": state["sequences"], "shards": state["shards"]}
+            try:
+                state = self.state_dict()
+                self._start = {"sequences": state["sequences"], "shards": state["shards"]}
+            except DataStateError as e:  # (closing after an error: the loader cannot go on, nor say where it is)
+                self._lost = str(e)
         self._reset()
 
     def _reset(self) -> None:
@@ -390,6 +438,7 @@ class TrainLoader:
             self._prefetcher.close()
             self._prefetcher = None
         self._consumed_shards, self._replayed = {}, {}
+        self._live = None
         self._iter = None
         self._loader = None
         self._yielded = 0
@@ -398,8 +447,15 @@ class TrainLoader:
 
     def state_dict(self) -> dict:
         """This rank's position: local sequences consumed and the state of each of its shards."""
+        if self._lost:
+            raise DataStateError(self._lost)
         shards = copy.deepcopy(self._start["shards"])
-        shards.update(copy.deepcopy(self._consumed_shards))
+        if self._live is not None and not self._live.failed:
+            shards.update({str(j): s.state_dict() for j, s in self._live._streams.items()})
+        elif self._live is not None and self._yielded:  # (before the first micro-batch: the start state)
+            raise DataStateError("the data loader stopped on an error in the middle of a micro-batch: its position "
+                                 "is not known; resume from the last checkpoint")
+        shards.update({j: shard_state(snap) for j, snap in self._consumed_shards.items()})
         return {
             "format": STATE_FORMAT, "kind": "rank", "fingerprint": self.plan.fingerprint(),
             "num_shards": self.plan.num_shards, "dp_rank": self.dp_rank, "dp_world_size": self.dp_world_size,
@@ -420,6 +476,7 @@ class TrainLoader:
                 f"{self.dp_rank} of {self.dp_world_size}; save merge_states([...]) of all ranks and load that"
             )
         self._start = {"sequences": int(state["sequences"]), "shards": copy.deepcopy(state["shards"])}
+        self._lost = None
         self._reset()
 
     def load_global_state(self, state: dict) -> None:
@@ -435,6 +492,7 @@ class TrainLoader:
             )
         shards = {j: copy.deepcopy(st) for j, st in state["shards"].items() if int(j) % world == self.dp_rank}
         self._start = {"sequences": total // world, "shards": shards}
+        self._lost = None
         self._reset()
 
     def _check(self, state: dict) -> None:

@@ -70,6 +70,15 @@ class DataPlan:
     eos_id: int | None = None
     extra: dict = field(default_factory=dict)
 
+    def token_dtype(self) -> np.dtype:
+        """A type that holds every token of every source as stored (what windows can be packed in before they
+        are widened to int64): the sources' common integer type, else int64 (text, mixed types)."""
+        found = [s.token_dtype() for s in self.sources]
+        if not found or any(d is None for d in found):
+            return np.dtype(np.int64)
+        common = np.result_type(*found)
+        return common if common.kind in "iu" and common.itemsize <= 8 else np.dtype(np.int64)
+
     def fingerprint(self) -> dict:
         """What a checkpoint's data state depends on (weights, seq_len and separator may change)."""
         return {
@@ -335,11 +344,12 @@ class _Layout(NamedTuple):
     base: np.ndarray | None
     views: list | None
     starts: list | None
+    ends: list | None  # starts + lens
     lens: list
     coords: list  # document numbers in the file
     cum: list
-    cum_no_eos: list
-    cum_long: list
+    cum_no_eos: list | None  # None: no such document in the block
+    cum_long: list | None
 
 
 def _layout(src: Source, plan: DataPlan, unit: int, first: int, perm: np.ndarray) -> _Layout | None:
@@ -363,9 +373,11 @@ def _layout(src: Source, plan: DataPlan, unit: int, first: int, perm: np.ndarray
     if plan.append_eos and no_eos.any():
         return None
     long = lens > plan.long_document_windows * (plan.seq_len + 1)
-    return _Layout(base, views, None if starts is None else starts.tolist(), lens.tolist(),
+    return _Layout(base, views, None if starts is None else starts.tolist(),
+                   None if starts is None else (starts + lens).tolist(), lens.tolist(),
                    (first + np.asarray(perm, dtype=np.int64)).tolist(), np.cumsum(lens).tolist(),
-                   np.cumsum(no_eos).tolist(), np.cumsum(long).tolist())
+                   np.cumsum(no_eos).tolist() if no_eos.any() else None,
+                   np.cumsum(long).tolist() if long.any() else None)
 
 
 class Window(NamedTuple):
@@ -379,25 +391,29 @@ class Window(NamedTuple):
 
 
 class Packer:
-    """Concatenate one source's documents (of one shard) and cut windows of seq_len + 1 tokens."""
+    """Concatenate one source's documents (of one shard) and cut windows of seq_len + 1 tokens.
+
+    The document in progress is ``_cur`` = (reader state just before it, id, tokens), or ``_IN_BLOCK``: document
+    ``block_index - 1`` of the reader's block layout (token files), whose state and tokens are found from the
+    layout when asked for, so that packing from a layout makes nothing per document."""
 
     def __init__(self, docs: DocumentTokenizer, plan: DataPlan):
         self.docs, self.plan = docs, plan
         self.width = plan.seq_len + 1
         self.sequences = 0
-        self._cur: tuple[dict, int, np.ndarray] | None = None
+        self._cur: tuple[dict, int, np.ndarray] | object | None = None
         self._offset = 0
         self._pending: dict | None = None
+
+    def _before(self) -> tuple:
+        """The reader state just before the document in progress (from a block layout) as a tuple."""
+        r = self.docs.reader
+        return (r.epoch, r.unit_pos, r.block_start, r.block_index - 1, r.epoch_docs - 1)
 
     def state_dict(self) -> dict:
         if self._pending is not None:
             return _copy_state(self._pending)
-        if self._cur is None:
-            reader, has_doc = self.docs.reader.state_dict(), False
-        else:
-            reader, has_doc = dict(self._cur[0]), True
-        return {"reader": reader, "has_doc": has_doc, "offset": self._offset if has_doc else 0,
-                "stats": dict(self.docs.stats), "sequences": self.sequences}
+        return packer_state(self.snapshot())
 
     def load_state_dict(self, sd: dict) -> None:
         # Applied lazily (in the process that reads), so loading a state costs nothing up front.
@@ -421,23 +437,34 @@ class Packer:
 
     def next_window(self, source: int, shard: int, out: np.ndarray | None = None) -> Window:
         """The next window; its tokens are written into ``out`` (int64, seq_len + 1) when given."""
-        if self._pending is not None:
-            self._restore()
         plan, width = self.plan, self.width
         # Documents are copied (and widened) into the window once.
         tokens = np.empty(width, dtype=np.int64) if out is None else out
         positions = np.empty(width, dtype=np.int64) if plan.positions or plan.debug else None
         uids = np.empty(width, dtype=np.int64) if plan.debug else None
+        self._window(tokens, positions, uids)
+        return Window(tokens, positions, uids, source, shard)
+
+    def _window(self, tokens: np.ndarray, positions, uids) -> None:
+        """The next window's tokens into ``tokens`` (and its positions and document ids when given)."""
+        if self._pending is not None:
+            self._restore()
+        width = self.width
         filled = 0
         reader = self.docs.reader
         while filled < width:
-            if self._cur is None:
+            cur = self._cur
+            if cur is _IN_BLOCK:
+                filled = self._fill(reader._fast, tokens, positions, uids, filled)
+                continue
+            if cur is None:
                 layout = reader.fast_block()
                 if layout is not None:
                     filled = self._fill(layout, tokens, positions, uids, filled)
                     continue
-                self._cur, self._offset = self.docs.next(), 0
-            _, uid, doc = self._cur
+                cur, self._offset = self.docs.next(), 0
+                self._cur = cur
+            _, uid, doc = cur
             off = self._offset
             take = min(width - filled, len(doc) - off)
             tokens[filled:filled + take] = doc[off:off + take]
@@ -450,51 +477,110 @@ class Packer:
             if self._offset == len(doc):
                 self._cur, self._offset = None, 0
         self.sequences += 1
-        return Window(tokens, positions, uids, source, shard)
 
     def _fill(self, layout: _Layout, tokens, positions, uids, filled: int) -> int:
-        """Fill the window from the reader's block, starting at its next document, as far as the block or
-        the window goes: what ``docs.next()`` document by document would do (the same tokens, reader
-        position, counters and current document), with one copy per document and no per-document state."""
+        """Fill the window from the reader's block layout, from the document in progress there (``_IN_BLOCK``)
+        or its next document, as far as the block or the window goes: what ``docs.next()`` document by
+        document would do (the same tokens, reader position, counters and document in progress), with one
+        copy call and nothing made per document."""
         reader, stats = self.docs.reader, self.docs.stats
-        cum, lens, coords = layout.cum, layout.lens, layout.coords
-        i = reader.block_index
-        done = cum[i - 1] if i else 0  # tokens of the block's documents before i
-        end = done + self.width - filled
-        k = bisect_left(cum, end)  # the document the window ends in
-        if k >= len(lens):
-            k, take_k = len(lens) - 1, lens[-1]
+        cum, lens = layout.cum, layout.lens
+        i = reader.block_index  # the first document not read yet
+        if self._cur is _IN_BLOCK:  # document i - 1, from self._offset
+            first, off = i - 1, self._offset
         else:
-            take_k = end - (cum[k - 1] if k else 0)
-        unit, src, base, starts, views = reader._block_unit, reader.source, layout.base, layout.starts, layout.views
-        for j in range(i, k + 1):
-            take = take_k if j == k else lens[j]
-            if base is not None:
-                a = starts[j]
-                tokens[filled:filled + take] = base[a:a + take]
+            first, off = i, 0
+        pos = (cum[first - 1] if first else 0) + off  # where the window goes on, in tokens of the block
+        end = pos + self.width - filled
+        k = bisect_left(cum, end, first)  # the document the window ends in
+        if k >= len(lens):
+            k = len(lens) - 1
+            end = cum[k]
+        take_k = end - (cum[k - 1] if k else 0)  # tokens of document k up to the window's end
+        base, starts = layout.base, layout.starts
+        if positions is None and uids is None and base is not None:
+            size = end - pos
+            if k == first:
+                a = starts[k] + off
+                tokens[filled:filled + size] = base[a:a + size]
             else:
-                tokens[filled:filled + take] = views[j][:take]
-            if positions is not None:
-                positions[filled:filled + take] = np.arange(take)
-            if uids is not None:
-                uids[filled:filled + take] = src.uid(unit, coords[j], reader.shard)
-            filled += take
-        # Documents i..k are read now: counted as docs.next() counts them.
-        stats["documents"] += k - i + 1
-        stats["tokens"] += cum[k] - done
-        for key, c in (("documents_without_eos", layout.cum_no_eos), ("long_documents", layout.cum_long)):
-            stats[key] += c[k] - (c[i - 1] if i else 0)
-        reader.epoch_docs += k - i
-        reader.block_index = k
-        reader.last = (unit, coords[k])
+                parts = [base[starts[first] + off:layout.ends[first]]]
+                parts += [base[s:e] for s, e in zip(starts[first + 1:k], layout.ends[first + 1:k])]
+                a = starts[k]
+                parts.append(base[a:a + take_k])
+                np.concatenate(parts, out=tokens[filled:filled + size])
+            filled += size
+        else:
+            unit, src, views, coords = reader._block_unit, reader.source, layout.views, layout.coords
+            for j in range(first, k + 1):
+                lo = off if j == first else 0
+                hi = take_k if j == k else lens[j]
+                take = hi - lo
+                if base is not None:
+                    a = starts[j]
+                    tokens[filled:filled + take] = base[a + lo:a + hi]
+                else:
+                    tokens[filled:filled + take] = views[j][lo:hi]
+                if positions is not None:
+                    positions[filled:filled + take] = np.arange(lo, hi)
+                if uids is not None:
+                    uids[filled:filled + take] = src.uid(unit, coords[j], reader.shard)
+                filled += take
+        if k >= i:  # documents i..k are read now: counted as docs.next() counts them
+            stats["documents"] += k - i + 1
+            stats["tokens"] += cum[k] - (cum[i - 1] if i else 0)
+            c = layout.cum_no_eos
+            if c is not None:
+                stats["documents_without_eos"] += c[k] - (c[i - 1] if i else 0)
+            c = layout.cum_long
+            if c is not None:
+                stats["long_documents"] += c[k] - (c[i - 1] if i else 0)
+            reader.epoch_docs += k - i + 1
+            reader.block_index = k + 1
+            reader.last = (reader._block_unit, layout.coords[k])
         if take_k < lens[k]:  # document k goes on in the next window
-            before = reader.state_dict()
-            uid = src.uid(unit, coords[k], reader.shard)
-            doc = base[starts[k]:starts[k] + lens[k]] if base is not None else views[k]
-            self._cur, self._offset = (before, uid, doc), take_k
-        reader.block_index += 1
-        reader.epoch_docs += 1
+            self._cur, self._offset = _IN_BLOCK, take_k
+        else:
+            self._cur, self._offset = None, 0
         return filled
+
+    def snapshot(self) -> tuple:
+        """What ``state_dict()`` would return now, cheaply (see :func:`packer_state`): the reader's position
+        as a tuple, or the (never changed) state before the document in progress, and a copy of the counters."""
+        if self._pending is not None:
+            return (self._pending,)  # (replaced, never changed, when applied)
+        cur = self._cur
+        if cur is None:
+            r = self.docs.reader
+            return ((r.epoch, r.unit_pos, r.block_start, r.block_index, r.epoch_docs), False, 0,
+                    self.docs.stats.copy(), self.sequences)
+        return (self._before() if cur is _IN_BLOCK else cur[0], True, self._offset, self.docs.stats.copy(),
+                self.sequences)
+
+
+_IN_BLOCK = object()  # Packer._cur: the document in progress is in the reader's block layout
+
+
+def packer_state(snap: tuple) -> dict:
+    """The state dict of a Packer.snapshot()."""
+    if len(snap) == 1:
+        return _copy_state(snap[0])
+    reader, has_doc, offset, stats, sequences = snap
+    if isinstance(reader, dict):
+        reader = dict(reader)
+    else:
+        epoch, unit_pos, block_start, block_index, epoch_docs = reader
+        reader = {"epoch": epoch, "unit_pos": unit_pos, "block_start": block_start, "block_index": block_index,
+                  "epoch_docs": epoch_docs}
+    return {"reader": reader, "has_doc": has_doc, "offset": offset, "stats": dict(stats), "sequences": sequences}
+
+
+def shard_state(snap: tuple) -> dict:
+    """The state dict of a ShardStream.snapshot()."""
+    n, k, weights, packers, saved = snap
+    sources = {str(s): packer_state(p) for s, p in packers}
+    sources.update({str(s): _copy_state(sd) for s, sd in saved})
+    return {"n": n, "k": k, "weights": list(weights), "sources": sources}
 
 
 def _copy_state(sd: dict) -> dict:
@@ -560,10 +646,26 @@ class ShardStream:
         self.n += 1
         return window
 
+    def fill(self, out: np.ndarray) -> None:
+        """The next sequence's tokens into ``out`` (seq_len + 1 of int64 or of ``plan.token_dtype()``; plans
+        without positions or document ids): ``next`` without the Window."""
+        if len(self._thresholds) == 1:  # one source: no schedule to advance
+            packer = self._packers.get(0) or self.packer(0)
+        else:
+            packer = self.packer(self.choose())
+        packer._window(out, None, None)
+        self.n += 1
+
     def state_dict(self) -> dict:
         sources = {str(s): p.state_dict() for s, p in self._packers.items()}
         sources.update({str(s): _copy_state(sd) for s, sd in self._saved.items()})
         return {"n": self.n, "k": self.k, "weights": list(self.plan.weights), "sources": sources}
+
+    def snapshot(self) -> tuple:
+        """The state as of now at the cost of a few tuples; :func:`shard_state` turns it into what
+        ``state_dict()`` returns now. A micro-batch carries one per shard it read."""
+        return (self.n, self.k, self.plan.weights, [(s, p.snapshot()) for s, p in self._packers.items()],
+                list(self._saved.items()) if self._saved else ())
 
     def load_state_dict(self, sd: dict) -> None:
         self.n = int(sd["n"])

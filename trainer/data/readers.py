@@ -69,6 +69,12 @@ class _TokenFileSource(Source):
     def __init__(self, spec, index, opts):
         super().__init__(spec, index, opts)
         self._open: dict[int, Any] = {}
+        self.dtypes: list[np.dtype] = []  # the token type of each unit
+
+    def token_dtype(self) -> np.dtype | None:
+        """The type every document of this source is stored in (None: the units differ, or text)."""
+        found = set(self.dtypes)
+        return found.pop() if self.verbatim and len(found) == 1 and len(self.dtypes) == len(self.units) else None
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -234,6 +240,7 @@ class MegatronSource(_TokenFileSource):
         for prefix in self.units:
             meta = read_megatron_index(prefix + ".idx")
             check_dtype(prefix + ".bin", meta["dtype"], opts)
+            self.dtypes.append(np.dtype(meta["dtype"]))
             self.contiguous.append(_check_megatron_pair(prefix, meta))
             self.sizes.append(len(meta["docs"]) - 1)
 
@@ -365,7 +372,9 @@ class NumpySource(_TokenFileSource):
         self.units = expand_files(spec, (".npy",))
         self._counts: dict[int, int] = {}
         for path in self.units:
-            self.sizes.append(len(open_numpy_tokens(path, opts)))
+            tokens = open_numpy_tokens(path, opts)
+            self.sizes.append(len(tokens))
+            self.dtypes.append(tokens.dtype)
 
     def _unit(self, unit: int) -> tuple:
         def opener(u):
@@ -481,9 +490,12 @@ class ArrowSource(_TokenFileSource):
             self.modes.append(mode)
             self.sizes.append(len(batches) if mode == "batches" else sum(b.num_rows for b in batches))
             if mode == "rows":
-                check_dtype(path, batches[0].schema.field(opts.tokens_field).type.value_type.to_pandas_dtype(), opts)
+                dtype = batches[0].schema.field(opts.tokens_field).type.value_type.to_pandas_dtype()
             elif mode == "batches":
-                check_dtype(path, batches[0].schema.field(opts.tokens_field).type.to_pandas_dtype(), opts)
+                dtype = batches[0].schema.field(opts.tokens_field).type.to_pandas_dtype()
+            if mode in ("rows", "batches"):
+                check_dtype(path, dtype, opts)
+                self.dtypes.append(np.dtype(dtype))
         if len({m == "text" for m in self.modes}) > 1:
             raise ConfigError(f"{spec.key}: {spec.path!r} mixes files with token columns and text-only files; "
                               "give each its own source")

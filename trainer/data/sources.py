@@ -288,6 +288,10 @@ class Source:
         """(status, text) or (status, token array); status is OK, EMPTY, MALFORMED or UNDECODABLE."""
         raise NotImplementedError
 
+    def token_dtype(self):
+        """The numpy type every document is stored in, for sources of stored token arrays; None otherwise."""
+        return None
+
     def uid(self, unit: int, coord: int, shard: int) -> int:
         """A document id, unique in the source mixture: source index, unit and start coordinate."""
         return (self.index << 56) | (unit << 40) | (coord & ((1 << 40) - 1))

@@ -10,8 +10,8 @@ round kept), each for ``seconds``:
   no state and no checks costs: the floor);
 * *megatron*, *numpy*, *arrow*: one rank's training loader (``TrainLoader``, in the process, no prefetch
   thread): documents in the seeded shuffled order, packed into windows, the vocabulary check, the micro-batch
-  tensors with their fingerprint, and the states of its shards that every micro-batch carries for exact
-  resume.
+  tensors with their fingerprint, and the exact-resume state (read from its shards when asked for: without a
+  prefetch thread nothing is made ahead).
 
 Tokens/s count input tokens of micro-batches (local_batch_size x seq_len each).
 """
