@@ -223,3 +223,29 @@ def test_failed_background_write_is_counted_and_nothing_committed(tmp_path, monk
     assert scan_folder(tmp_path / "checkpoint") == []
     assert not manager.save(6)
     assert manager.failures == 2 and scan_folder(tmp_path / "checkpoint") == []
+
+
+def test_space_check_scans_the_folder_only_when_a_save_may_not_fit(tmp_path, monkeypatch, caplog):
+    """The warning that the next saves will not fit counts the committed checkpoints (a folder scan); with
+    room for every save it looks ahead to, the check does not scan (it runs in every save's blocking part)."""
+    import logging
+    from types import SimpleNamespace
+
+    from trainer.checkpoint.space import DiskSpace
+
+    mib = 1 << 20
+    cfg = SimpleNamespace(keep_latest_k=0, interval=5, drill_disk_bytes=100 * mib)
+    space = DiskSpace(cfg, tmp_path / "checkpoint")
+    scans = []
+    monkeypatch.setattr(DiskSpace, "committed_count", lambda self: scans.append(1) or 0)
+    logger = logging.getLogger("trainer")  # the run's logger may not propagate to caplog's root handler
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="trainer"):
+            assert space.check(1, 10 * mib, warn=True) is None
+            assert scans == [] and "running out" not in caplog.text
+            assert space.check(2, 40 * mib, warn=True) is None  # two fit, not three
+            assert scans == [1] and "only the next 2 save(s) will fit" in caplog.text
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert "not enough disk space" in space.check(3, 120 * mib, warn=True)
