@@ -195,6 +195,9 @@ def test_async_save_commits_the_state_of_its_step(tmp_path, monkeypatch):
     _train_step(model, optimizer)  # its pre-step hook waits for the copy
     with torch.no_grad():
         model.weight.add_(1.0)  # during the background write
+    manager.pending.upload.result()
+    # Committed by the save's own thread (marker written last, folder renamed) before the loop polls it.
+    assert [(c.step, c.status) for c in scan_folder(tmp_path / "checkpoint")] == [(5, "complete")]
     manager.finish()
     assert manager.saves == 1 and manager.failures == 0
     fresh = _components(1)
@@ -205,22 +208,24 @@ def test_async_save_commits_the_state_of_its_step(tmp_path, monkeypatch):
     assert torch.equal(fresh["optimizer"].state_dict()["state"][0]["exp_avg"], moment)
 
 
-def test_failed_background_write_is_counted_and_nothing_committed(tmp_path, monkeypatch):
-    """The data-loader state file of an asynchronous save is written on the save's thread: its failure
-    fails the save when it is polled (counted, the temporary folder removed); a synchronous save refuses."""
+@pytest.mark.parametrize("broken", ["write_sidecar", "commit"])
+def test_failed_background_write_is_counted_and_nothing_committed(tmp_path, monkeypatch, broken):
+    """The data-loader state file and the commit of an asynchronous save are written on the save's thread:
+    a failure there fails the save when it is polled (counted, the temporary folder removed); a
+    synchronous save fails likewise."""
     from trainer.checkpoint import saving
 
-    def broken(tmp, sidecar):
+    def fail(*args):
         raise OSError("disk gone")
 
-    monkeypatch.setattr(saving, "write_sidecar", broken)
+    monkeypatch.setattr(saving, broken, fail)
     parts = _components(0)
     _train_step(parts["model_parts"][0], parts["optimizer"])
     manager = CheckpointManager(_async_config(tmp_path), **parts)
     assert manager.save(5, asynchronous=True)  # started; the failure comes from the background
     manager.finish()
     assert manager.failures == 1 and manager.saves == 0
-    assert scan_folder(tmp_path / "checkpoint") == []
+    assert scan_folder(tmp_path / "checkpoint") == [] and not (tmp_path / "checkpoint" / "step-5.tmp").exists()
     assert not manager.save(6)
     assert manager.failures == 2 and scan_folder(tmp_path / "checkpoint") == []
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint.agree import ERRORS, Collectives, attempt
+from trainer.checkpoint.agree import ERRORS, Collectives, attempt, format_exception
 from trainer.checkpoint.integrity import hashing_filesystem
 from trainer.checkpoint.layout import (
     DATALOADER_JSON,
@@ -193,6 +193,7 @@ class _Pending:
     blocking_s: float
     stager: Any = None  # a per-save stager to close once the save is written
     writer: Any = None
+    committed_by_thread: bool = False  # rank 0's save thread committed it (or failed: the upload's error)
 
 
 class Saver:
@@ -350,35 +351,60 @@ class Saver:
 
     def _start_async(self, step: int, tmp: Path, final: Path, marker: dict, state: dict, writer, t0: float,
                      sidecar: tuple[str, bytes] | None) -> bool:
-        started, error = attempt("async checkpoint save", self._async_save, state, writer, tmp, sidecar)
+        started, error = attempt("async checkpoint save", self._async_save, state, writer, tmp, final, marker,
+                                 sidecar, t0)
         reasons = self.comm.agree(error)
+        blocking_s = time.perf_counter() - t0
+        if started is not None and started[3] is not None:
+            started[3](blocking_s)  # the save's thread may commit from now on
         if reasons:
             return self._failed(step, tmp, reasons, refused=False)
-        upload, staging, stager = started
-        self.pending = _Pending(step, tmp, final, marker, upload, staging, t0, time.perf_counter() - t0,
-                                stager if stager is not self._stager else None, writer)
+        upload, staging, stager, release = started
+        self.pending = _Pending(step, tmp, final, marker, upload, staging, t0, blocking_s,
+                                stager if stager is not self._stager else None, writer,
+                                committed_by_thread=release is not None)
         return True
 
-    def _async_save(self, state: dict, writer, tmp: Path, sidecar: tuple[str, bytes] | None):
-        """Start the background save: (upload future, staging future, per-save stager to close or None)."""
+    def _async_save(self, state: dict, writer, tmp: Path, final: Path, marker: dict,
+                    sidecar: tuple[str, bytes] | None, t0: float):
+        """Start the background save: (upload future, staging future, per-save stager to close or None,
+        a function to call with the blocking time once the call is over, or None)."""
         import torch.distributed.checkpoint as dcp
 
         if self.pinned:
-            return self._pinned_async_save(state, writer, tmp, sidecar)
+            return (*self._pinned_async_save(state, writer, tmp, sidecar), None)
+        comm = Collectives(self.async_pg)
+        call_over = threading.Event()
+        timing: dict[str, float] = {}
 
         def write(staged: dict):
-            # DCP first: every rank takes part in its collectives whatever happens to rank 0's sidecar.
+            # DCP first: every rank takes part in its collectives whatever happens to rank 0's sidecar. DCP
+            # raises on every rank when one failed, so every rank that gets past it takes part in the gather.
             result = dcp.save(staged, storage_writer=writer, process_group=self.async_pg)
+            error = None
             if sidecar is not None:
                 try:
                     write_sidecar(tmp, sidecar)
                 except OSError as e:
-                    raise OSError(f"data-loader state: {e}") from e
+                    error = f"data-loader state: {e}"
+            gathered = comm.gather(writer.sums)
+            if comm.rank == 0 and error is None:
+                call_over.wait()
+                try:
+                    self._commit(tmp, final, marker, gathered, t0, timing["blocking_s"])
+                except ERRORS as e:
+                    raise CheckpointError(f"commit failed: {format_exception(e)}") from e
+            if error is not None:
+                raise OSError(error)
             return result
+
+        def release(blocking_s: float) -> None:
+            timing["blocking_s"] = blocking_s
+            call_over.set()
 
         job = BackgroundSave(state, write)
         self._staging_future = job.staging
-        return job.upload, job.staging, None
+        return job.upload, job.staging, None, release
 
     def _pinned_async_save(self, state: dict, writer, tmp: Path, sidecar: tuple[str, bytes] | None):
         """CUDA with async_with_pinned_mem: DCP's async_save with the staging API's reused pinned buffers,
@@ -436,24 +462,23 @@ class Saver:
         _, error = attempt("background checkpoint save", p.upload.result)
         if p.stager is not None:
             attempt("closing a checkpoint stager", p.stager.close)
-        self._finish_save(p.step, p.tmp, p.final, p.marker, error, p.t0, p.blocking_s, p.writer)
+        self._finish_save(p.step, p.tmp, p.final, p.marker, error, p.t0, p.blocking_s, p.writer,
+                          committed=p.committed_by_thread)
 
     # ----------------------------------------------------------------------------------------------
     # Outcome
     # ----------------------------------------------------------------------------------------------
 
     def _finish_save(self, step: int, tmp: Path, final: Path, marker: dict, error: str | None, t0: float,
-                     blocking_s: float, writer: Any = None) -> bool:
+                     blocking_s: float, writer: Any = None, committed: bool = False) -> bool:
         """After DCP wrote (or failed to write) ``tmp``: rank 0 gathers the checksums every rank computed
         while writing and commits when its own save succeeded (DCP's coordinator succeeds only if every
-        rank did), then all ranks agree on the outcome."""
-        gathered = self.comm.gather(getattr(writer, "sums", None) or {})
-        if error is None and self.comm.rank == 0:
-            sums = {name: entry for part in gathered for name, entry in part.items()}
-            marker["save_seconds"] = round(time.perf_counter() - t0, 3)
-            marker["blocking_seconds"] = round(blocking_s, 3)
-            _, error = attempt("checkpoint commit", commit, tmp, final, marker, sums, self.cfg.checksum)
-            error = error and f"commit failed: {error}"
+        rank did), unless the save's thread did (``committed``), then all ranks agree on the outcome."""
+        if not committed:
+            gathered = self.comm.gather(getattr(writer, "sums", None) or {})
+            if error is None and self.comm.rank == 0:
+                _, error = attempt("checkpoint commit", self._commit, tmp, final, marker, gathered, t0, blocking_s)
+                error = error and f"commit failed: {error}"
         reasons = self.comm.agree(error)
         if reasons:
             return self._failed(step, tmp, reasons, refused=False)
@@ -468,6 +493,13 @@ class Saver:
                         time.perf_counter() - t0, blocking_s, final)
             self._retain(step)
         return True
+
+    def _commit(self, tmp: Path, final: Path, marker: dict, gathered: list, t0: float, blocking_s: float) -> None:
+        """Rank 0: the commit marker (every rank's checksums) written last, then the rename."""
+        sums = {name: entry for part in gathered for name, entry in part.items()}
+        marker["save_seconds"] = round(time.perf_counter() - t0, 3)
+        marker["blocking_seconds"] = round(blocking_s, 3)
+        commit(tmp, final, marker, sums, self.cfg.checksum)
 
     def _retain(self, step: int) -> None:
         """Delete the checkpoints older than the newest ``keep_latest_k`` (0 keeps all) full checkpoints of
