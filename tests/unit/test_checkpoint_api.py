@@ -217,3 +217,117 @@ def test_fault_tolerant_job_checkpoint(tmp_path):
     assert manager.loaded_step == 5
     assert parts["data_loader"].loaded["shards"] == {str(j): {"at": 5} for j in range(4)}
     assert parts["data_loader"].loaded["sequences"] == 5
+
+
+def _async_config(tmp_path):
+    return load_config(["--job.dump_folder", str(tmp_path), "--checkpoint.enable", "--training.steps", "10",
+                        "--checkpoint.interval", "5", "--checkpoint.async_mode", "async",
+                        "--checkpoint.max_failed_saves", "3"], env={})
+
+
+def _train_step(model, optimizer):
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_stage_copy_copies_every_tensor_once():
+    from trainer.checkpoint.saving import stage_copy
+
+    t, u = torch.arange(6.0).view(2, 3), torch.ones(2)
+    state = {"a": t, "b": [t, (u, 3)], "c": b"pickled", "d": {"lr": 0.5}}
+    staged = stage_copy(state)
+    assert staged["a"] is staged["b"][0] and staged["a"].data_ptr() != t.data_ptr()  # one copy of t
+    assert torch.equal(staged["a"], t) and torch.equal(staged["b"][1][0], u) and staged["b"][1][1] == 3
+    assert staged["d"] == {"lr": 0.5} and staged["d"] is not state["d"] and staged["c"] is state["c"]
+    t.add_(1.0)
+    assert torch.equal(staged["a"], torch.arange(6.0).view(2, 3))
+
+
+def test_async_save_commits_the_state_of_its_step(tmp_path, monkeypatch):
+    """The save call returns before the state is copied (the copy runs on the save's own thread); the next
+    optimizer step waits for the copy; the committed checkpoint is the state of the save's step, bitwise,
+    though training changed the weights and moments while it was written."""
+    import threading
+
+    from trainer.checkpoint import saving
+
+    config = _async_config(tmp_path)
+    parts = _components(0)
+    model, optimizer = parts["model_parts"][0], parts["optimizer"]
+    _train_step(model, optimizer)
+    manager = CheckpointManager(config, **parts)
+    gate, copy = threading.Event(), saving.stage_copy
+
+    def gated_copy(state, memo=None):
+        gate.wait(10.0)  # a copy inside the call would make the call itself wait here
+        return copy(state, memo)
+
+    monkeypatch.setattr(saving, "stage_copy", gated_copy)
+    parts["train_state"].step = 5
+    weight, moment = model.weight.detach().clone(), optimizer.state[model.weight]["exp_avg"].clone()
+    assert manager.save(5, asynchronous=True)
+    assert manager.pending is not None and not manager.pending.staging.done()  # nothing copied in the call
+    threading.Timer(0.2, gate.set).start()
+    _train_step(model, optimizer)  # its pre-step hook waits for the copy
+    with torch.no_grad():
+        model.weight.add_(1.0)  # during the background write
+    manager.pending.upload.result()
+    # Committed by the save's own thread (marker written last, folder renamed) before the loop polls it.
+    assert [(c.step, c.status) for c in scan_folder(tmp_path / "checkpoint")] == [(5, "complete")]
+    manager.finish()
+    assert manager.saves == 1 and manager.failures == 0
+    fresh = _components(1)
+    resumed = CheckpointManager(config, **fresh)
+    resumed.load()
+    assert resumed.loaded_step == 5
+    assert torch.equal(fresh["model_parts"][0].weight, weight) and not torch.equal(model.weight, weight)
+    assert torch.equal(fresh["optimizer"].state_dict()["state"][0]["exp_avg"], moment)
+
+
+@pytest.mark.parametrize("broken", ["write_sidecar", "commit"])
+def test_failed_background_write_is_counted_and_nothing_committed(tmp_path, monkeypatch, broken):
+    """The data-loader state file and the commit of an asynchronous save are written on the save's thread:
+    a failure there fails the save when it is polled (counted, the temporary folder removed); a
+    synchronous save fails likewise."""
+    from trainer.checkpoint import saving
+
+    def fail(*args):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(saving, broken, fail)
+    parts = _components(0)
+    _train_step(parts["model_parts"][0], parts["optimizer"])
+    manager = CheckpointManager(_async_config(tmp_path), **parts)
+    assert manager.save(5, asynchronous=True)  # started; the failure comes from the background
+    manager.finish()
+    assert manager.failures == 1 and manager.saves == 0
+    assert scan_folder(tmp_path / "checkpoint") == [] and not (tmp_path / "checkpoint" / "step-5.tmp").exists()
+    assert not manager.save(6)
+    assert manager.failures == 2 and scan_folder(tmp_path / "checkpoint") == []
+
+
+def test_space_check_scans_the_folder_only_when_a_save_may_not_fit(tmp_path, monkeypatch, caplog):
+    """The warning that the next saves will not fit counts the committed checkpoints (a folder scan); with
+    room for every save it looks ahead to, the check does not scan (it runs in every save's blocking part)."""
+    import logging
+    from types import SimpleNamespace
+
+    from trainer.checkpoint.space import DiskSpace
+
+    mib = 1 << 20
+    cfg = SimpleNamespace(keep_latest_k=0, interval=5, drill_disk_bytes=100 * mib)
+    space = DiskSpace(cfg, tmp_path / "checkpoint")
+    scans = []
+    monkeypatch.setattr(DiskSpace, "committed_count", lambda self: scans.append(1) or 0)
+    logger = logging.getLogger("trainer")  # the run's logger may not propagate to caplog's root handler
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="trainer"):
+            assert space.check(1, 10 * mib, warn=True) is None
+            assert scans == [] and "running out" not in caplog.text
+            assert space.check(2, 40 * mib, warn=True) is None  # two fit, not three
+            assert scans == [1] and "only the next 2 save(s) will fit" in caplog.text
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert "not enough disk space" in space.check(3, 120 * mib, warn=True)

@@ -44,6 +44,21 @@ def test_hashing_reader_hashes_the_whole_file_whatever_the_read_order(tmp_path):
         assert reader.finish() == want
 
 
+def test_hashing_writer_hashes_every_byte_in_order(tmp_path):
+    """Large writes are hashed on a helper thread while they are written, small ones inline: the checksum
+    is the file's, whatever the mix."""
+    path = tmp_path / "f.bin"
+    chunks = [os.urandom(n) for n in (10, integrity.OVERLAP, 3, 2 * integrity.OVERLAP + 1, 7)]
+    with open(path, "wb") as raw:
+        stream = integrity._HashingStream(raw, integrity.new_hasher("xxh3_128"))
+        for c in chunks:
+            assert stream.write(memoryview(c)) == len(c)
+        stream.close()
+        assert stream._pool is None  # the helper thread is gone
+    assert path.read_bytes() == b"".join(chunks)
+    assert (stream.size, stream.hasher.hexdigest()) == file_checksum(path, "xxh3_128")
+
+
 def _trained_like(size: str = SIZE):
     return checkpoint_disk._build(size)
 

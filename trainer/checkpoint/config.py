@@ -30,9 +30,9 @@ class Checkpoint:
     keep_latest_k: int = 10
     """Keep this many newest full checkpoints of the run (over all its launches) and delete older ones; 0 keeps all."""
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
-    """Save in the background: async copies the state to CPU memory in a background thread (the next
-    optimizer step waits for the copy) then writes it in another thread; with pinned memory the copy uses
-    reusable pinned buffers."""
+    """Save in the background: async copies the state to fresh CPU memory and then writes it, on a thread of
+    its own that the save starts (the next optimizer step waits for the copy); with pinned memory on CUDA
+    the copy uses reusable pinned buffers."""
     last_save_model_only: bool = True
     """The final checkpoint holds only model weights (no optimizer state)."""
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"

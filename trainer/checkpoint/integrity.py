@@ -131,21 +131,42 @@ def share(names: list[str], rank: int, world: int) -> list[str]:
 # --------------------------------------------------------------------------------------------------
 
 
+OVERLAP = 1 << 20  # writes at least this large are hashed on a helper thread while they are written
+
+
 class _HashingStream(io.RawIOBase):
-    """A write-only stream that hashes every byte on its way to ``raw``."""
+    """A write-only stream that hashes every byte on its way to ``raw``. A large write to a buffered file
+    (which writes all of it or raises) is hashed on a helper thread while the caller's thread writes it (the
+    hash and the copy into the page cache run side by side, each releasing the GIL); the write returns when
+    both are done, so the bytes are hashed in order and the buffer is not reused before it is hashed."""
 
     def __init__(self, raw, hasher):
         self.raw = raw
         self.hasher = hasher
         self.size = 0
+        self._overlap = isinstance(raw, io.BufferedIOBase)
+        self._pool = None
 
     def writable(self) -> bool:
         return True
 
     def write(self, b) -> int:
-        n = self.raw.write(b)
         view = memoryview(b).cast("B")
-        self.hasher.update(view[:n] if n is not None else view)
+        if self._overlap and len(view) >= OVERLAP:
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-hash")
+            hashed = self._pool.submit(self.hasher.update, view)
+            try:
+                n = self.raw.write(view)
+            finally:
+                hashed.result()
+            if n is not None and n != len(view):  # not what a buffered file does; the hash no longer matches
+                raise OSError(f"short write: {n} of {len(view)} bytes")
+        else:
+            n = self.raw.write(b)
+            self.hasher.update(view[:n] if n is not None else view)
         self.size += n if n is not None else len(view)
         return n
 
@@ -161,7 +182,13 @@ class _HashingStream(io.RawIOBase):
     def close(self) -> None:  # DCP closes the stream; the file itself is closed by the context manager
         with contextlib.suppress(Exception):
             self.raw.flush()
+        self.stop_helper()
         super().close()
+
+    def stop_helper(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
 
 def hashing_filesystem(fs, algo: str):
@@ -179,7 +206,10 @@ def hashing_filesystem(fs, algo: str):
             return
         with create(path, mode) as raw:
             stream = _HashingStream(raw, new_hasher(algo))
-            yield stream
+            try:
+                yield stream
+            finally:
+                stream.stop_helper()
             with lock:
                 sums[Path(path).name] = {"size": stream.size, "checksum": stream.hasher.hexdigest()}
 

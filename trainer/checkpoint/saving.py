@@ -16,13 +16,14 @@ import logging
 import shutil
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from trainer.checkpoint.agree import ERRORS, Collectives, attempt
+from trainer.checkpoint.agree import ERRORS, Collectives, attempt, format_exception
 from trainer.checkpoint.integrity import hashing_filesystem
 from trainer.checkpoint.layout import (
     DATA_ONLY,
@@ -107,6 +108,78 @@ def without_zip_crc32():
                 serialization_config.save.compute_crc32 = _crc_saved
 
 
+def write_sidecar(tmp: Path, sidecar: tuple[str, bytes]) -> None:
+    """Write the data-loader state file (name, bytes) into the checkpoint's temporary folder, durably."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    write_file_atomic(tmp / sidecar[0], sidecar[1])
+
+
+def stage_copy(obj: Any, memo: dict[int, torch.Tensor] | None = None) -> Any:
+    """A copy of a state dict whose tensors are in fresh CPU memory: what a background save writes while
+    training changes the live tensors. DTensors stay DTensors of the same mesh, placements and global
+    shape (their local shards are copied); dicts, lists and tuples are copied; other values (numbers,
+    strings, bytes) are immutable and shared. A tensor object that appears twice is copied once. Each
+    copy is one ``Tensor.copy_``, which releases the GIL: the training loop's Python runs beside it."""
+    if memo is None:
+        memo = {}
+    if isinstance(obj, torch.Tensor):
+        key = id(obj)
+        if key not in memo:
+            memo[key] = _copy_tensor(obj)
+        return memo[key]
+    if isinstance(obj, dict):
+        return {k: stage_copy(v, memo) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [stage_copy(v, memo) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(stage_copy(v, memo) for v in obj)
+    return obj
+
+
+def _copy_tensor(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        if isinstance(t, DTensor):
+            local = _copy_tensor(t.to_local())
+            return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                      stride=t.stride())
+        out = torch.empty_like(t, device="cpu")
+        out.copy_(t)
+        return out
+
+
+class BackgroundSave:
+    """One asynchronous save on a thread of its own, started before anything is copied (the call that
+    starts it returns at once): first ``stage_copy`` of ``state`` (``staging`` is done then, and the live
+    tensors may change), then ``write(copy)`` (``upload`` holds its result or its exception). The copy is
+    freed when the write returns."""
+
+    def __init__(self, state: dict, write: Any):
+        self.staging: Future = Future()
+        self.upload: Future = Future()
+        self._thread = threading.Thread(target=self._run, args=(state, write), name="checkpoint-save")
+        self._thread.start()
+
+    def _run(self, state: dict, write: Any) -> None:
+        try:
+            staged = stage_copy(state)
+        except BaseException as e:  # reported through both futures (the upload's is the one counted)
+            self.staging.set_exception(e)
+            self.upload.set_exception(e)
+            return
+        del state
+        self.staging.set_result(None)
+        try:
+            result = write(staged)
+        except BaseException as e:
+            del staged
+            self.upload.set_exception(e)
+            return
+        del staged
+        self.upload.set_result(result)
+
+
 @dataclass
 class _Pending:
     """An asynchronous save in flight."""
@@ -121,6 +194,7 @@ class _Pending:
     blocking_s: float
     stager: Any = None  # a per-save stager to close once the save is written
     writer: Any = None
+    committed_by_thread: bool = False  # rank 0's save thread committed it (or failed: the upload's error)
 
 
 class Saver:
@@ -202,15 +276,17 @@ class Saver:
         if reasons:
             return self._failed(step, tmp, reasons, refused=True)
         marker = self._marker(step, kind, dtype, nbytes)
+        sidecar = None  # (file name, bytes) of the data-loader state, on rank 0
         if not model_only and self.replica_groups is not None:
             marker["replica_groups"] = self.replica_groups  # their data states: <folder>/replica_<id>/step-N
         elif not model_only:
-            reasons = self.comm.agree(self._write_dataloader_state(tmp, marker))
+            sidecar, error = self._dataloader_state(marker, tmp if not asynchronous else None)
+            reasons = self.comm.agree(error)
             if reasons:
                 return self._failed(step, tmp, reasons, refused=False)
         writer = self._writer(tmp, step)
         if asynchronous:
-            return self._start_async(step, tmp, final, marker, state, writer, t0)
+            return self._start_async(step, tmp, final, marker, state, writer, t0, sidecar)
         _, error = attempt("checkpoint save", dcp.save, state, storage_writer=writer, process_group=self.comm.pg)
         del state
         return self._finish_save(step, tmp, final, marker, error, t0, time.perf_counter() - t0, writer)
@@ -222,7 +298,8 @@ class Saver:
         if reasons:
             return self._failed(step, tmp, reasons, refused=True)
         marker = self._marker(step, DATA_ONLY, None, 0)
-        reasons = self.comm.agree(self._write_dataloader_state(tmp, marker))
+        _, error = self._dataloader_state(marker, tmp)
+        reasons = self.comm.agree(error)
         if reasons:
             return self._failed(step, tmp, reasons, refused=False)
         return self._finish_save(step, tmp, final, marker, None, t0, time.perf_counter() - t0)
@@ -251,38 +328,44 @@ class Saver:
             "estimated_bytes": nbytes, "torch": torch.__version__,
         }
 
-    def _write_dataloader_state(self, tmp: Path, marker: dict) -> str | None:
-        """Gather the per-rank loader states, merge them (rank 0) and write the sidecar; the error, if any.
-        Every rank takes part in the gather whatever happens locally."""
+    def _dataloader_state(self, marker: dict, tmp: Path | None = None) -> tuple[tuple[str, bytes] | None, str | None]:
+        """Gather the per-rank loader states and merge and encode them (rank 0): ((file name, bytes) of the
+        sidecar, or None on other ranks; the error, if any). Every rank takes part in the gather whatever
+        happens locally. The state is taken now, at the save's step; the file is written into ``tmp`` when
+        given, else by the caller (a background save's thread)."""
+        sidecar, error = self._gather_dataloader_state(marker)
+        if tmp is not None and error is None and sidecar is not None:
+            _, error = attempt("data-loader state", write_sidecar, tmp, sidecar)
+            error = error and f"data-loader state: {error}"
+        return sidecar, error
+
+    def _gather_dataloader_state(self, marker: dict) -> tuple[tuple[str, bytes] | None, str | None]:
         c = self.components
         local, error = attempt("data-loader state", lambda: (int(c.dp_rank), c.data_loader.state_dict()))
         gathered = self.comm.gather(local)
         if error is not None:
-            return f"data-loader state: {error}"
+            return None, f"data-loader state: {error}"
         if self.comm.rank != 0:
-            return None
+            return None, None
         if any(g is None for g in gathered):
-            return "data-loader state: not available on another rank (see its log)"
+            return None, "data-loader state: not available on another rank (see its log)"
         by_dp: dict[int, Any] = {}
         for dp_rank, sd in gathered:
             by_dp.setdefault(dp_rank, sd)
         states = [by_dp[r] for r in sorted(by_dp)]
-        name, error = attempt("data-loader state", self._write_loader_file, tmp, states)
+        sidecar, error = attempt("data-loader state", self._encode_loader_state, states)
         if error is not None:
-            return f"data-loader state: {error}"
-        marker["dataloader"] = name
+            return None, f"data-loader state: {error}"
+        marker["dataloader"] = sidecar[0]
         marker["dataloader_dp_ranks"] = len(states)
-        return None
+        return sidecar, None
 
-    def _write_loader_file(self, tmp: Path, states: list) -> str:
+    def _encode_loader_state(self, states: list) -> tuple[str, bytes]:
         global_state = merge_loader_states(self.components.data_loader, states)
-        tmp.mkdir(parents=True, exist_ok=True)
         try:
-            data, name = json.dumps(global_state).encode(), DATALOADER_JSON
+            return DATALOADER_JSON, json.dumps(global_state).encode()
         except (TypeError, ValueError):  # not JSON-able: pickled
-            data, name = pickle_bytes(global_state), DATALOADER_PT
-        write_file_atomic(tmp / name, data)
-        return name
+            return DATALOADER_PT, pickle_bytes(global_state)
 
     def _writer(self, tmp: Path, step: int):
         if self._writer_cls is None:
@@ -296,21 +379,72 @@ class Saver:
     # Background saves
     # ----------------------------------------------------------------------------------------------
 
-    def _start_async(self, step: int, tmp: Path, final: Path, marker: dict, state: dict, writer, t0: float) -> bool:
-        started, error = attempt("async checkpoint save", self._async_save, state, writer)
+    def _start_async(self, step: int, tmp: Path, final: Path, marker: dict, state: dict, writer, t0: float,
+                     sidecar: tuple[str, bytes] | None) -> bool:
+        started, error = attempt("async checkpoint save", self._async_save, state, writer, tmp, final, marker,
+                                 sidecar, t0)
         reasons = self.comm.agree(error)
+        blocking_s = time.perf_counter() - t0
+        if started is not None and started[3] is not None:
+            started[3](blocking_s)  # the save's thread may commit from now on
         if reasons:
             return self._failed(step, tmp, reasons, refused=False)
-        upload, staging, stager = started
-        self.pending = _Pending(step, tmp, final, marker, upload, staging, t0, time.perf_counter() - t0,
-                                stager if stager is not self._stager else None, writer)
+        upload, staging, stager, release = started
+        self.pending = _Pending(step, tmp, final, marker, upload, staging, t0, blocking_s,
+                                stager if stager is not self._stager else None, writer,
+                                committed_by_thread=release is not None)
         return True
 
-    def _async_save(self, state: dict, writer):
+    def _async_save(self, state: dict, writer, tmp: Path, final: Path, marker: dict,
+                    sidecar: tuple[str, bytes] | None, t0: float):
+        """Start the background save: (upload future, staging future, per-save stager to close or None,
+        a function to call with the blocking time once the call is over, or None)."""
         import torch.distributed.checkpoint as dcp
 
+        if self.pinned:
+            return (*self._pinned_async_save(state, writer, tmp, sidecar), None)
+        comm = Collectives(self.async_pg)
+        call_over = threading.Event()
+        timing: dict[str, float] = {}
+
+        def write(staged: dict):
+            # DCP first: every rank takes part in its collectives whatever happens to rank 0's sidecar. DCP
+            # raises on every rank when one failed, so every rank that gets past it takes part in the gather.
+            result = dcp.save(staged, storage_writer=writer, process_group=self.async_pg)
+            error = None
+            if sidecar is not None:
+                try:
+                    write_sidecar(tmp, sidecar)
+                except OSError as e:
+                    error = f"data-loader state: {e}"
+            gathered = comm.gather(writer.sums)
+            if comm.rank == 0 and error is None:
+                call_over.wait()
+                try:
+                    self._commit(tmp, final, marker, gathered, t0, timing["blocking_s"])
+                except ERRORS as e:
+                    raise CheckpointError(f"commit failed: {format_exception(e)}") from e
+            if error is not None:
+                raise OSError(error)
+            return result
+
+        def release(blocking_s: float) -> None:
+            timing["blocking_s"] = blocking_s
+            call_over.set()
+
+        job = BackgroundSave(state, write)
+        self._staging_future = job.staging
+        return job.upload, job.staging, None, release
+
+    def _pinned_async_save(self, state: dict, writer, tmp: Path, sidecar: tuple[str, bytes] | None):
+        """CUDA with async_with_pinned_mem: DCP's async_save with the staging API's reused pinned buffers,
+        copied with non-blocking copies on a side stream in DCP's background thread."""
+        import torch.distributed.checkpoint as dcp
+
+        if sidecar is not None:
+            write_sidecar(tmp, sidecar)
         kwargs: dict[str, Any] = {"storage_writer": writer, "process_group": self.async_pg}
-        stager = self._make_stager()
+        stager = self._pinned_stager()
         if stager is not None and "async_stager" in inspect.signature(dcp.async_save).parameters:
             kwargs["async_stager"] = stager
         result = dcp.async_save(state, **kwargs)
@@ -319,31 +453,20 @@ class Saver:
             return result.upload_completion, result.staging_completion, kwargs.get("async_stager")
         return result, None, kwargs.get("async_stager")
 
-    def _make_stager(self):
-        """The staging API (torch >= 2.9): reused pinned buffers and background copies on CUDA with
-        async_with_pinned_mem; a plain synchronous copy to CPU memory otherwise."""
-        try:
-            from torch.distributed.checkpoint.staging import (
-                DefaultStager,
-                StagingOptions,
-            )
-        except ImportError:
-            return None
-        try:
-            if self.pinned:
-                if self._stager is None:
-                    self._stager = DefaultStager(StagingOptions(
-                        use_pinned_memory=True, use_shared_memory=False, use_async_staging=True,
-                        use_non_blocking_copy=True))
-                return self._stager
-            # A fresh stager per save: a copy to ordinary CPU memory, freed once the save is written. The copy
-            # runs in the background too: the loop goes on with its next forward and backward, and the
-            # optimizer step (which changes what is copied) waits for it (see CheckpointManager).
-            return DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                use_async_staging=True, use_non_blocking_copy=False))
-        except (TypeError, AssertionError, RuntimeError) as e:  # another torch version's options
-            logger.warning("checkpoint staging API unavailable (%s); using DCP's default staging", e)
-            return None
+    def _pinned_stager(self):
+        """The staging API's stager (torch >= 2.9) with pinned buffers reused from save to save, or None
+        (DCP's default staging) where this torch lacks it."""
+        if self._stager is None:
+            try:
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+                self._stager = DefaultStager(StagingOptions(
+                    use_pinned_memory=True, use_shared_memory=False, use_async_staging=True,
+                    use_non_blocking_copy=True))
+            except (ImportError, TypeError, AssertionError, RuntimeError) as e:  # another torch version
+                logger.warning("checkpoint staging API unavailable (%s); using DCP's default staging", e)
+                return None
+        return self._stager
 
     def wait_staging(self) -> None:
         """Wait until a background save has copied the state it reads (before the optimizer changes it)."""
@@ -369,24 +492,23 @@ class Saver:
         _, error = attempt("background checkpoint save", p.upload.result)
         if p.stager is not None:
             attempt("closing a checkpoint stager", p.stager.close)
-        self._finish_save(p.step, p.tmp, p.final, p.marker, error, p.t0, p.blocking_s, p.writer)
+        self._finish_save(p.step, p.tmp, p.final, p.marker, error, p.t0, p.blocking_s, p.writer,
+                          committed=p.committed_by_thread)
 
     # ----------------------------------------------------------------------------------------------
     # Outcome
     # ----------------------------------------------------------------------------------------------
 
     def _finish_save(self, step: int, tmp: Path, final: Path, marker: dict, error: str | None, t0: float,
-                     blocking_s: float, writer: Any = None) -> bool:
+                     blocking_s: float, writer: Any = None, committed: bool = False) -> bool:
         """After DCP wrote (or failed to write) ``tmp``: rank 0 gathers the checksums every rank computed
         while writing and commits when its own save succeeded (DCP's coordinator succeeds only if every
-        rank did), then all ranks agree on the outcome."""
-        gathered = self.comm.gather(getattr(writer, "sums", None) or {})
-        if error is None and self.comm.rank == 0:
-            sums = {name: entry for part in gathered for name, entry in part.items()}
-            marker["save_seconds"] = round(time.perf_counter() - t0, 3)
-            marker["blocking_seconds"] = round(blocking_s, 3)
-            _, error = attempt("checkpoint commit", commit, tmp, final, marker, sums, self.cfg.checksum)
-            error = error and f"commit failed: {error}"
+        rank did), unless the save's thread did (``committed``), then all ranks agree on the outcome."""
+        if not committed:
+            gathered = self.comm.gather(getattr(writer, "sums", None) or {})
+            if error is None and self.comm.rank == 0:
+                _, error = attempt("checkpoint commit", self._commit, tmp, final, marker, gathered, t0, blocking_s)
+                error = error and f"commit failed: {error}"
         reasons = self.comm.agree(error)
         if reasons:
             return self._failed(step, tmp, reasons, refused=False)
@@ -404,6 +526,13 @@ class Saver:
                         time.perf_counter() - t0, blocking_s, final)
             self._retain(step)
         return True
+
+    def _commit(self, tmp: Path, final: Path, marker: dict, gathered: list, t0: float, blocking_s: float) -> None:
+        """Rank 0: the commit marker (every rank's checksums) written last, then the rename."""
+        sums = {name: entry for part in gathered for name, entry in part.items()}
+        marker["save_seconds"] = round(time.perf_counter() - t0, 3)
+        marker["blocking_seconds"] = round(blocking_s, 3)
+        commit(tmp, final, marker, sums, self.cfg.checksum)
 
     def _retain(self, step: int) -> None:
         """Delete the checkpoints older than the newest ``keep_latest_k`` (0 keeps all) full checkpoints of

@@ -60,7 +60,7 @@ class DiskSpace:
                     f"{self.folder} has {human_bytes(free)} free. Free up space, lower checkpoint.keep_latest_k "
                     f"(now {self.cfg.keep_latest_k}) or set checkpoint.folder to a larger filesystem, then restart: "
                     f"the run resumes from the latest complete checkpoint")
-        if not warn:
+        if not warn or free >= need * LOOKAHEAD_SAVES:  # the next saves fit whatever the folder holds
             return None
         fits = self._saves_that_fit(need, free, self.committed_count())
         if fits < LOOKAHEAD_SAVES and fits != self._warned_fit:
