@@ -63,3 +63,19 @@ def test_float8_precompute_needs_float8_all_gather():
 
     with pytest.raises(ConfigError, match="needs enable_fsdp_float8_all_gather"):
         validate(load_config(["--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"], env={}))
+
+
+def test_float8_all_gather_refused_on_cpu(tmp_path, monkeypatch, capsys):
+    """gloo cannot all-gather float8: the trainer stops with a config error naming the key (the worker's
+    config errors reach the launcher's one line as tests/e2e/test_launcher_errors.py shows)."""
+    import torch
+
+    from tests.support.launch import train_in_process
+
+    if torch.cuda.is_available():
+        pytest.skip("checks a machine without CUDA")
+    rc, out = train_in_process(tmp_path, "--model.converters", "quantize.linear.float8",
+                               "--quantize.linear.float8.enable_fsdp_float8_all_gather", monkeypatch=monkeypatch)
+    err = capsys.readouterr().err
+    assert rc == 2, out[-3000:] + err[-3000:]
+    assert "gloo cannot all-gather float8" in out + err, out[-3000:] + err[-3000:]
