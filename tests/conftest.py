@@ -63,14 +63,16 @@ def pytest_collection_modifyitems(config, items):
     if os.environ.get("PYTEST_XDIST_WORKER") is not None:
         items.sort(key=_file_order)  # stable: tests keep their order within a file
 
+    gpu = [item for item in items if "gpu" in item.keywords]
+    if not gpu:  # no torch import (a second or two of CPU) for a session that has no GPU test
+        return
     import torch
 
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (gpu marker)")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    for item in gpu:
+        item.add_marker(skip)
 
 
 def _wanted_runs(session) -> set[str]:

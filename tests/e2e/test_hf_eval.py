@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -47,12 +48,11 @@ COMMON = ["--tasks", TASKS, "--include_path", str(TASKS_DIR), "--limit", "6", "-
 TEXT = "First Citizen: Before we proceed any further, hear me speak."
 
 
-def make_tokenizer(kind: str, folder: Path) -> Path:
-    """A byte-level BPE tokenizer trained on the bundled corpus: "llama" (<s> $A </s> post-processor and a
-    tokenizer_config.json) or "gpt2" (only <|endoftext|>, no tokenizer_config.json)."""
+@functools.lru_cache(maxsize=None)
+def _trained(kind: str) -> str:
+    """The tokenizer.json text of :func:`make_tokenizer`'s kind, trained once per process (a CPU-second)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    folder.mkdir(parents=True)
     texts = [json.loads(line)["text"] for line in CORPUS.read_text().splitlines()[:2000]]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -63,12 +63,20 @@ def make_tokenizer(kind: str, folder: Path) -> Path:
     if kind == "llama":
         tok.post_processor = processors.TemplateProcessing(
             single="<s> $A </s>", pair="<s> $A </s> $B:1 </s>:1", special_tokens=[("<s>", 0), ("</s>", 1)])
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok.to_str(pretty=True)
+
+
+def make_tokenizer(kind: str, folder: Path) -> Path:
+    """A byte-level BPE tokenizer trained on the bundled corpus: "llama" (<s> $A </s> post-processor and a
+    tokenizer_config.json) or "gpt2" (only <|endoftext|>, no tokenizer_config.json)."""
+    folder.mkdir(parents=True)
+    if kind == "llama":
         (folder / "tokenizer_config.json").write_text(json.dumps(
             {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
              "pad_token": "<pad>"}))
-    else:
-        tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer.json").write_text(_trained(kind))
     return folder
 
 

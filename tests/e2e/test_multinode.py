@@ -5,7 +5,8 @@
 - Two launchers (``NNODES=2``, two processes each) meeting at a c10d rendezvous on localhost train HSDP
   (replicas across the "nodes") to the same losses as four processes on one node.
 - The same two "nodes" in two network namespaces joined by a veth pair (skipped where ``ip netns`` is not
-  permitted).
+  permitted). Where namespaces work, that run is also the one the localhost test checks: the same job, one
+  two-node launch instead of two.
 - A worker killed mid-run (``debug.crash_at_step``): torchrun restarts both nodes (``MAX_RESTARTS=1``), the
   trainer resumes from the latest checkpoint and ends with the uninterrupted run's losses.
 - A hung rank fails the run within ``comm.train_timeout_seconds``, with the rank and collective named.
@@ -280,21 +281,26 @@ def runs(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("multinode")
     out: dict[str, Run] = {}
     netns = None
-    if "two_nodes" in wanted:
-        out["two_nodes"] = two_nodes(root, "two_nodes", [*TRAIN, *HSDP], node_ranks=False)
-    if "restart" in wanted:  # rank 2 (a node-1 process) SIGKILLs itself before step 3, first attempt only
-        out["restart"] = two_nodes(root, "restart", [*TRAIN, *HSDP, "--checkpoint.enable", "--checkpoint.interval", "2",
-                                                     "--debug.crash_at_step", "3", "--debug.crash_rank", "2"],
-                                   env={"MAX_RESTARTS": "1"})
     if "netns" in wanted:
         netns = NetnsPair()
         if netns.error:
             out["netns"] = Run(root / "netns", info={"skip": f"network namespaces not available: {netns.error}"})
         else:
+            # NODE_RANK unset, as in the plain run: where namespaces work, this run also stands in for it.
             per_node = [{"LOCAL_ADDR": netns.ips[i], "GLOO_SOCKET_IFNAME": netns.ifs[i]} for i in (0, 1)]
             out["netns"] = two_nodes(root, "netns", [*TRAIN, *HSDP], env={"RDZV_ENDPOINT": f"{netns.ips[0]}:29400"},
-                                     per_node=per_node, prefixes=[("ip", "netns", "exec", ns) for ns in netns.ns])
+                                     per_node=per_node, prefixes=[("ip", "netns", "exec", ns) for ns in netns.ns],
+                                     node_ranks=False)
             out["netns"].info["netns"] = netns
+    if "two_nodes" in wanted:
+        if "netns" in out and "skip" not in out["netns"].info:
+            out["two_nodes"] = out["netns"]  # the same job, one launch fewer
+        else:
+            out["two_nodes"] = two_nodes(root, "two_nodes", [*TRAIN, *HSDP], node_ranks=False)
+    if "restart" in wanted:  # rank 2 (a node-1 process) SIGKILLs itself before step 3, first attempt only
+        out["restart"] = two_nodes(root, "restart", [*TRAIN, *HSDP, "--checkpoint.enable", "--checkpoint.interval", "2",
+                                                     "--debug.crash_at_step", "3", "--debug.crash_rank", "2"],
+                                   env={"MAX_RESTARTS": "1"})
     if "hang" in wanted:  # rank 1 sleeps before step 3; rank 0 waits in the step's first collective
         out["hang"] = Run(root / "hang")
         out["hang"].agents.append((start_train(
@@ -304,8 +310,9 @@ def runs(request, tmp_path_factory):
 
     t0 = time.monotonic()
     try:
-        pending = [(run, i) for run in out.values() for i in range(len(run.agents))]
-        for run in out.values():
+        started = list({id(run): run for run in out.values()}.values())  # a run standing in for another: once
+        pending = [(run, i) for run in started for i in range(len(run.agents))]
+        for run in started:
             run.returncodes = [None] * len(run.agents)
         while pending and time.monotonic() - t0 < DEADLINE_S:
             for run, i in list(pending):

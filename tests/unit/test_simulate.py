@@ -90,8 +90,8 @@ def test_pipeline_fsdp_tp_stages():
 @pytest.mark.parametrize("overrides, message", [
     (["--parallelism.tensor_parallel_degree", "3", "--parallelism.data_parallel_shard_degree", "2"],
      "must divide the number of attention heads"),
-    (["--parallelism.pipeline_parallel_degree", "8", "--parallelism.data_parallel_shard_degree", "1"],
-     "every stage needs a layer"),
+    (["--parallelism.pipeline_parallel_degree", "8", "--parallelism.data_parallel_shard_degree", "1",
+      "--training.local_batch_size", "8"], "every stage needs a layer"),
     (["--parallelism.data_parallel_shard_degree", "8", "--training.global_batch_size", "100"],
      "must be a multiple of"),
 ])

@@ -2,9 +2,10 @@
 [quantize] (float8 matmuls; torchtitan's MX and grouped-GEMM keys, accepted at their defaults).
 
 Also the pure layout arithmetic the rules share with the runtime: degrees against the world size
-(``resolve_degrees``) and the pipeline split (``schedule_name``, ``plan_stages``). No torch import: the
-launcher's pre-flight runs these rules before torchrun starts. ``dims.py`` and ``pipeline.py`` build on them.
-The string under each field is its documentation (``--help`` and docs/config.md).
+(``resolve_degrees``), the pipeline split (``schedule_name``, ``plan_stages``) and its micro-batches
+(``n_microbatches``). No torch import: the launcher's pre-flight runs these rules before torchrun starts.
+``dims.py`` and ``pipeline.py`` build on them. The string under each field is its documentation (``--help``
+and docs/config.md).
 """
 
 from __future__ import annotations
@@ -242,6 +243,7 @@ def check_layout(config, world_size: int) -> int:
                           "parallel")
     if pp > 1:
         plan_stages(config, args.n_layers)
+        n_microbatches(config, schedule_name(config.parallelism.pipeline_parallel_schedule))
     return rep * shard
 
 
@@ -282,6 +284,24 @@ def schedule_name(name: str) -> str:
     close = difflib.get_close_matches(name, list(SCHEDULES), n=1)
     raise ConfigError(f"parallelism.pipeline_parallel_schedule: unknown schedule {name!r}"
                       + (f" (did you mean {close[0]!r}?)" if close else "") + f"; valid: {', '.join(SCHEDULES)}")
+
+
+def n_microbatches(config, schedule: str) -> int:
+    """Pipeline micro-batches per step (local_batch_size / pipeline_parallel_microbatch_size), or a
+    ConfigError when the schedule cannot run that many over pipeline_parallel_degree stages."""
+    t, p = config.training, config.parallelism
+    if t.local_batch_size % p.pipeline_parallel_microbatch_size:
+        raise ConfigError(f"training.local_batch_size ({t.local_batch_size}) must be a multiple of "
+                          f"parallelism.pipeline_parallel_microbatch_size ({p.pipeline_parallel_microbatch_size})")
+    n = t.local_batch_size // p.pipeline_parallel_microbatch_size
+    pp = p.pipeline_parallel_degree
+    if schedule not in SINGLE_STAGE and n % pp:
+        raise ConfigError(f"schedule {schedule} needs the number of pipeline micro-batches ({n} = local_batch_size / "
+                          f"pipeline_parallel_microbatch_size) to be a multiple of pipeline_parallel_degree ({pp})")
+    if schedule == "1F1B" and n < pp:
+        raise ConfigError(f"schedule 1F1B needs at least as many micro-batches ({n}) as stages ({pp}); "
+                          "lower pipeline_parallel_microbatch_size or raise local_batch_size")
+    return n
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import copy
 
 from trainer.errors import ConfigError
-from trainer.parallel.config import LOOPED, SCHEDULES, SINGLE_STAGE, schedule_name
+from trainer.parallel.config import LOOPED, SCHEDULES, SINGLE_STAGE, n_microbatches, schedule_name
 
 if TYPE_CHECKING:  # torch is imported where it is used, so the launcher's pre-flight stays torch-free
     import torch
@@ -36,22 +36,6 @@ def build_stage_model(template: nn.Module, names: list[str]) -> nn.Module:
         if f"layers.{key}" not in keep:
             del stage.layers[key]
     return stage
-
-
-def n_microbatches(config: JobConfig, schedule: str) -> int:
-    t, p = config.training, config.parallelism
-    if t.local_batch_size % p.pipeline_parallel_microbatch_size:
-        raise ConfigError(f"training.local_batch_size ({t.local_batch_size}) must be a multiple of "
-                          f"parallelism.pipeline_parallel_microbatch_size ({p.pipeline_parallel_microbatch_size})")
-    n = t.local_batch_size // p.pipeline_parallel_microbatch_size
-    pp = p.pipeline_parallel_degree
-    if schedule not in SINGLE_STAGE and n % pp:
-        raise ConfigError(f"schedule {schedule} needs the number of pipeline micro-batches ({n} = local_batch_size / "
-                          f"pipeline_parallel_microbatch_size) to be a multiple of pipeline_parallel_degree ({pp})")
-    if schedule == "1F1B" and n < pp:
-        raise ConfigError(f"schedule 1F1B needs at least as many micro-batches ({n}) as stages ({pp}); "
-                          "lower pipeline_parallel_microbatch_size or raise local_batch_size")
-    return n
 
 
 def build_schedule(stage_modules: list[nn.Module], stage_ids: list[int], num_stages: int, pp_mesh: DeviceMesh,
