@@ -48,9 +48,7 @@ def pytest_unconfigure(config):
 # worker is left alone with one at the end), and the files that read batched runs go last (by then the runs,
 # started with the session, have ended).
 _LONGEST_FIRST = ["tests/e2e/test_multinode.py", "tests/e2e/test_never_lose_work.py", "tests/e2e/test_train.py",
-                  "tests/e2e/test_torchtitan_compat.py", "tests/e2e/test_hf_eval.py",
-                  # its own launches, a minute and a half: not the last file a worker takes
-                  "tests/distributed/test_fault_tolerance.py"]
+                  "tests/e2e/test_torchtitan_compat.py", "tests/e2e/test_hf_eval.py"]
 _TIERS = ["tests/e2e/", "tests/unit/", "tests/distributed/"]
 
 
