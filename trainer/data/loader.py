@@ -216,10 +216,12 @@ class MicroBatch(dict):
     fingerprint: int | None = None
 
 
-def to_tensors(batch: dict[str, np.ndarray], pin_memory: bool = False) -> dict[str, torch.Tensor]:
-    out = {k: torch.from_numpy(v) for k, v in batch.items()}
-    if pin_memory:
-        out = {k: v.pin_memory() for k, v in out.items()}
+def to_tensors(batch: dict[str, np.ndarray], pin_memory: bool = False, into: dict | None = None) -> dict:
+    """The arrays as tensors sharing their memory (pinned copies with ``pin_memory``), put into ``into`` (a
+    new dict by default)."""
+    out = {} if into is None else into
+    for k, v in batch.items():
+        out[k] = torch.from_numpy(v).pin_memory() if pin_memory else torch.from_numpy(v)
     return out
 
 
@@ -416,9 +418,7 @@ class TrainLoader:
         """The next micro-batch (tensors, pinned if asked, with its fingerprint) and what it brings of the
         state (runs on the prefetch thread when there is one)."""
         arrays, fingerprint, update = next(self._iter)
-        batch = MicroBatch()
-        for k, v in arrays.items():
-            batch[k] = torch.from_numpy(v).pin_memory() if self.pin_memory else torch.from_numpy(v)
+        batch = to_tensors(arrays, self.pin_memory, into=MicroBatch())
         batch.fingerprint = fingerprint
         return batch, update
 
