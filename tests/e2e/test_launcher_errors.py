@@ -23,6 +23,7 @@ SMALL = ["--training.steps", "2", "--training.seq_len", "64", "--training.local_
 def cases(tmp):
     """(name, environment, arguments, exit code, a fragment of the one line)."""
     (tmp / "a_file").write_text("x")
+    (tmp / "a_text_document.idx").write_bytes(b"MMIDIDX")  # (never read: the path is refused first)
     read_only = tmp / "read_only"
     read_only.mkdir()
     read_only.chmod(stat.S_IRUSR | stat.S_IXUSR)
@@ -50,6 +51,8 @@ def cases(tmp):
         ("read-only dump folder", {}, ["--job.dump_folder", str(read_only / "run")], 2, "is read-only"),
         ("missing data file", {}, ["--training.dataset", "jsonl", "--training.dataset_path", str(tmp / "no.jsonl")],
          2, "no such file or folder"),
+        ("Megatron prefix as the default dataset's path", {}, ["--training.dataset_path", str(tmp / "a_text_document")],
+         2, "prefix of a Megatron .idx/.bin pair: set training.dataset megatron"),
         ("missing tokenizer folder", {}, ["--model.hf_assets_path", str(tmp / "no_tokenizer")], 2,
          "model.hf_assets_path: no such file or folder"),
         ("unknown key", {}, ["--training.stepz", "5"], 2, "did you mean 'training.steps'"),

@@ -70,4 +70,10 @@ def check_paths(config) -> None:
         if spec.kind == "megatron" and os.path.isfile(path + ".idx"):
             continue  # a Megatron path prefix ("..._text_document" for its .idx/.bin pair)
         if not os.path.exists(path):
-            raise ConfigError(f"{spec.key}: no such file or folder {spec.path!r}")
+            hint = ""
+            if os.path.isfile(path + ".idx"):  # a Megatron prefix read as another kind (training.dataset left as is)
+                section = spec.key.split(".")[0]
+                hint = (f"; it is the prefix of a Megatron .idx/.bin pair: set {section}.dataset megatron"
+                        if spec.key.endswith(".dataset_path") else f"; it is the prefix of a Megatron .idx/.bin "
+                        f"pair: write megatron:{spec.path}")
+            raise ConfigError(f"{spec.key}: no such file or folder {spec.path!r}{hint}")
