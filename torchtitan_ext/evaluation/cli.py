@@ -390,6 +390,24 @@ def _ngpu() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    finally:
+        _close_process_group()
+
+
+def _close_process_group() -> None:
+    """Under torchrun: the process group torn down in order once this process is done with it (left to the
+    interpreter's exit, gloo's threads could be destroyed still running: an abort, exit 134)."""
+    if "torch.distributed" not in sys.modules:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _main(argv: list[str] | None) -> int:
     import os
 
     from trainer import logs
