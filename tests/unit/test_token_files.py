@@ -6,6 +6,7 @@ data exit code."""
 from __future__ import annotations
 
 import gzip
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -170,6 +171,20 @@ def test_documents_without_eos_are_counted_and_append_eos_adds_it(tmp_path, toke
     batch = next(ld)
     assert (batch["input"] == tokenizer.eos_id).sum() > 0
     ld.close()
+
+
+def test_numpy_dtype_against_an_npy_header_is_said(formats, tokenizer, caplog):
+    """A header names its file's type: data.numpy_dtype set to another is not used for it, and the run says so."""
+    with caplog.at_level(logging.WARNING, logger="trainer.data.readers"):
+        same = loader(formats["numpy_header"], "numpy", tokenizer, **{"data.numpy_dtype": "uint16"})
+        assert not caplog.records
+        other = loader(formats["numpy_header"], "numpy", tokenizer, **{"data.numpy_dtype": "uint32"})
+    assert [r.getMessage() for r in caplog.records] == [
+        f"training.dataset_path: data.numpy_dtype = uint32 is for raw files; 2 file(s) have an NPY header of "
+        f"another type and are read as it says (e.g. {formats['numpy_header'] / 'part0.npy'}: uint16)"]
+    assert torch.equal(next(same)["input"], next(other)["input"])
+    same.close()
+    other.close()
 
 
 def test_kinds_are_inferred_and_a_folder_of_mixed_kinds_is_refused(formats, tmp_path):

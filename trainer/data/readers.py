@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import glob
 import gzip
+import logging
 import os
 import struct
 from typing import Any
@@ -30,6 +31,8 @@ from trainer.data.sources import (
     TextSource, TokenSource, _import_pyarrow, _text_status, expand_files, range_part,
 )
 from trainer.errors import ConfigError, DataError
+
+logger = logging.getLogger(__name__)
 
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 # Megatron's dtype codes (megatron.core.datasets.indexed_dataset.DType).
@@ -375,6 +378,12 @@ class NumpySource(_TokenFileSource):
             tokens = open_numpy_tokens(path, opts)
             self.sizes.append(len(tokens))
             self.dtypes.append(tokens.dtype)
+        asked = None if opts.numpy_dtype == "auto" else np.dtype(opts.numpy_dtype)
+        other = [(p, d) for p, d in zip(self.units, self.dtypes) if asked is not None and d != asked]
+        if other:  # (only files with an NPY header can differ: it names their type)
+            logger.warning("%s: data.numpy_dtype = %s is for raw files; %d file(s) have an NPY header of another type "
+                           "and are read as it says (e.g. %s: %s)", spec.key, asked, len(other), other[0][0],
+                           other[0][1])
 
     def _unit(self, unit: int) -> tuple:
         def opener(u):
