@@ -187,6 +187,17 @@ def test_numpy_dtype_against_an_npy_header_is_said(formats, tokenizer, caplog):
     other.close()
 
 
+def test_a_separator_set_for_token_files_is_said_to_add_nothing(formats, tokenizer, caplog):
+    with caplog.at_level(logging.INFO, logger="trainer.data.loader"):
+        plain = loader(formats["megatron"], "megatron", tokenizer)
+        assert "adds nothing" not in caplog.text
+        bos = loader(formats["megatron"], "megatron", tokenizer, **{"data.separator": "bos"})
+    assert "data.separator = bos adds nothing to these token files" in caplog.text
+    assert torch.equal(next(plain)["input"], next(bos)["input"])  # (trained as stored either way)
+    plain.close()
+    bos.close()
+
+
 def test_kinds_are_inferred_and_a_folder_of_mixed_kinds_is_refused(formats, tmp_path):
     prefix = formats["megatron"] / "part0_text_document"
     assert parse_source(str(prefix), key="k").kind == "megatron"

@@ -160,6 +160,9 @@ def build_plan(config, tokenizer, specs: list[SourceSpec], weights: list[float],
                          tokens_field=d.tokens_field, numpy_dtype=d.numpy_dtype, eos_id=tokenizer.eos_id,
                          vocab_size=model_vocab(config, tokenizer), tokenizer_vocab=int(tokenizer.vocab_size))
     sources = [build_source(spec, i, opts) for i, spec in enumerate(specs)]
+    if d.separator != "auto" and all(src.verbatim for src in sources):
+        logger.info("data.separator = %s adds nothing to these token files (trained as stored, with the separators "
+                    "they hold); exports and evaluation follow it", d.separator)
     for src in sources:
         if src.kind == "tokens":
             check_prepared_tokenizer(src.spec, src.meta.get("tokenizer", {}), fingerprint)
