@@ -56,6 +56,8 @@ FINAL_PREFIX = "final-"
 DEFAULT_FOLDER = "checkpoint"  # checkpoint.folder's default, relative to the dump folder
 RUN_CONFIG = "config.toml"  # the resolved config a run writes into its dump folder
 DATA_ONLY = "data"  # the marker's kind of a replica group's data-only checkpoint (see checkpoint/replicas.py)
+# The kinds a run resumes from (a folder holds one or the other): what keep_latest_k counts.
+RESUMABLE_KINDS = ("full", DATA_ONLY)
 
 _NAME_RE = re.compile(r"^(?:final-)?step-(\d+)(\.tmp|\.replaced)?$")
 

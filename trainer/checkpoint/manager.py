@@ -116,7 +116,7 @@ class CheckpointManager:
         at every ``checkpoint.interval`` steps and at the last step."""
         if not self.enabled:
             return
-        due = last or step % self.cfg.interval == 0
+        due = self.saver.due(step, last)
         if self.data_saver is not None and due:
             self.data_saver.save(step, kind=DATA_ONLY)
         self.saver.maybe_save(step, last, write=not due or self._writes_job_checkpoint())

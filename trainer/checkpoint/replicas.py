@@ -31,6 +31,7 @@ from trainer.checkpoint.layout import DATA_ONLY, CheckpointInfo, scan_folder
 from trainer.checkpoint.state import read_loader_file
 from trainer.errors import CheckpointError
 
+
 @dataclass
 class ReplicaGroup:
     """This process's replica group, as the checkpoint manager sees it: ``job_dump_folder`` is the job's

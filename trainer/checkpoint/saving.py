@@ -30,6 +30,7 @@ from trainer.checkpoint.layout import (
     DATALOADER_JSON,
     DATALOADER_PT,
     FORMAT_VERSION,
+    RESUMABLE_KINDS,
     TMP_SUFFIX,
     commit,
     human_bytes,
@@ -227,12 +228,16 @@ class Saver:
     def pinned(self) -> bool:
         return self.cfg.async_mode == "async_with_pinned_mem" and self.components.use_cuda
 
+    def due(self, step: int, last: bool = False) -> bool:
+        """Whether ``step`` is a save step: every ``checkpoint.interval`` steps and the last step."""
+        return last or step % self.cfg.interval == 0
+
     def maybe_save(self, step: int, last: bool = False, write: bool = True) -> None:
         """After every optimizer step: finish a background save that has completed; save at every
         ``checkpoint.interval`` steps and at the last step (unless not ``write``: another replica group
         writes the job's checkpoint of this step)."""
         if self.pending is not None:
-            self._poll(block=last or step % self.cfg.interval == 0)
+            self._poll(block=self.due(step, last))
         if not write:
             return
         if last:
@@ -242,7 +247,7 @@ class Saver:
             if self.cfg.last_save_model_only:
                 self.save(step, kind="model_only", dtype=EXPORT_DTYPES[self.cfg.export_dtype], asynchronous=False,
                           final=True)
-        elif step % self.cfg.interval == 0:
+        elif self.due(step):
             self.save(step, kind="full", asynchronous=self.cfg.async_mode != "disabled")
 
     def finish(self) -> None:
@@ -514,7 +519,7 @@ class Saver:
             return self._failed(step, tmp, reasons, refused=False)
         self.consecutive_failures = 0
         self.saves += 1
-        if marker["kind"] in ("full", DATA_ONLY):
+        if marker["kind"] in RESUMABLE_KINDS:
             self.committed_steps.add(step)
         if self.comm.rank == 0 and marker["kind"] == DATA_ONLY:
             logger.info("this replica group's data state of %s saved -> %s", final.name, final)
@@ -548,7 +553,7 @@ class Saver:
             return
         infos = [c for c in scan_folder(self.folder) if not c.final and not c.leftover
                  and c.complete and c.step <= step and c.step not in self.damaged_steps]
-        full = [c for c in infos if c.kind in ("full", DATA_ONLY)]  # a folder holds one or the other
+        full = [c for c in infos if c.kind in RESUMABLE_KINDS]
         if len(full) <= k:
             return
         keep_from = full[-k].step

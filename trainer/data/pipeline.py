@@ -38,6 +38,7 @@ STAT_KEYS = (
     "stripped_separators",  # BOS/EOS the tokenizer itself added, removed before adding the one separator
     "documents_without_eos",  # pre-tokenized documents (trained as stored) that do not end with EOS
 )
+READER_FIELDS = ("epoch", "unit_pos", "block_start", "block_index", "epoch_docs")  # a DocumentReader's state
 _SKIP_KEY = {EMPTY: "skipped_empty", MALFORMED: "skipped_malformed", UNDECODABLE: "skipped_undecodable"}
 
 
@@ -119,9 +120,12 @@ class DocumentReader:
         name = self.source.units[unit] if unit is not None and unit < len(self.source.units) else self.source.label
         return {"file": str(name), "at": int(coord), "bytes": bool(self.source.coords_are_bytes)}
 
+    def position(self) -> tuple:
+        """The state as a tuple of the values of READER_FIELDS (cheap: taken with every micro-batch)."""
+        return self.epoch, self.unit_pos, self.block_start, self.block_index, self.epoch_docs
+
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "unit_pos": self.unit_pos, "block_start": self.block_start,
-                "block_index": self.block_index, "epoch_docs": self.epoch_docs}
+        return dict(zip(READER_FIELDS, self.position()))
 
     def load_state_dict(self, sd: dict) -> None:
         self.epoch, self.unit_pos = int(sd["epoch"]), int(sd["unit_pos"])
@@ -406,9 +410,9 @@ class Packer:
         self._pending: dict | None = None
 
     def _before(self) -> tuple:
-        """The reader state just before the document in progress (from a block layout) as a tuple."""
-        r = self.docs.reader
-        return (r.epoch, r.unit_pos, r.block_start, r.block_index - 1, r.epoch_docs - 1)
+        """The reader's position just before the document in progress (from a block layout)."""
+        epoch, unit_pos, block_start, block_index, epoch_docs = self.docs.reader.position()
+        return epoch, unit_pos, block_start, block_index - 1, epoch_docs - 1
 
     def state_dict(self) -> dict:
         if self._pending is not None:
@@ -551,9 +555,7 @@ class Packer:
             return (self._pending,)  # (replaced, never changed, when applied)
         cur = self._cur
         if cur is None:
-            r = self.docs.reader
-            return ((r.epoch, r.unit_pos, r.block_start, r.block_index, r.epoch_docs), False, 0,
-                    self.docs.stats.copy(), self.sequences)
+            return self.docs.reader.position(), False, 0, self.docs.stats.copy(), self.sequences
         return (self._before() if cur is _IN_BLOCK else cur[0], True, self._offset, self.docs.stats.copy(),
                 self.sequences)
 
@@ -566,12 +568,7 @@ def packer_state(snap: tuple) -> dict:
     if len(snap) == 1:
         return _copy_state(snap[0])
     reader, has_doc, offset, stats, sequences = snap
-    if isinstance(reader, dict):
-        reader = dict(reader)
-    else:
-        epoch, unit_pos, block_start, block_index, epoch_docs = reader
-        reader = {"epoch": epoch, "unit_pos": unit_pos, "block_start": block_start, "block_index": block_index,
-                  "epoch_docs": epoch_docs}
+    reader = dict(reader) if isinstance(reader, dict) else dict(zip(READER_FIELDS, reader))
     return {"reader": reader, "has_doc": has_doc, "offset": offset, "stats": dict(stats), "sequences": sequences}
 
 
@@ -657,9 +654,7 @@ class ShardStream:
         self.n += 1
 
     def state_dict(self) -> dict:
-        sources = {str(s): p.state_dict() for s, p in self._packers.items()}
-        sources.update({str(s): _copy_state(sd) for s, sd in self._saved.items()})
-        return {"n": self.n, "k": self.k, "weights": list(self.plan.weights), "sources": sources}
+        return shard_state(self.snapshot())
 
     def snapshot(self) -> tuple:
         """The state as of now at the cost of a few tuples; :func:`shard_state` turns it into what
