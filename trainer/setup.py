@@ -58,6 +58,13 @@ def init_process_group(device: torch.device, timeout_s: int) -> None:
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
 
 
+def close_process_group() -> None:
+    """Tear the default process group down in order when this process is done with it (left to the
+    interpreter's exit, gloo's threads can be destroyed still running: an abort, exit 134)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def set_train_timeout(seconds: int) -> None:
     """After the first step, a collective that waits this long means a hung rank: fail fast.
 

@@ -67,6 +67,7 @@ from trainer.parallel.float8 import register_float8_scale_precompute
 from trainer.parallel.parallelize import DTYPES, set_compile_cache
 from trainer.setup import (
     build_model_parts,
+    close_process_group,
     configure_determinism,
     init_device,
     init_process_group,
@@ -577,8 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if lock is not None:
             lock.release()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        close_process_group()
     return 0
 
 

@@ -397,14 +397,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _close_process_group() -> None:
-    """Under torchrun: the process group torn down in order once this process is done with it (left to the
-    interpreter's exit, gloo's threads could be destroyed still running: an abort, exit 134)."""
-    if "torch.distributed" not in sys.modules:
-        return
-    import torch.distributed as dist
+    """Under torchrun (a process group was made: torch is imported)."""
+    if "torch.distributed" in sys.modules:
+        from trainer.setup import close_process_group
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+        close_process_group()
 
 
 def _main(argv: list[str] | None) -> int:

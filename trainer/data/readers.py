@@ -378,7 +378,7 @@ class NumpySource(_TokenFileSource):
             tokens = open_numpy_tokens(path, opts)
             self.sizes.append(len(tokens))
             self.dtypes.append(tokens.dtype)
-        asked = None if opts.numpy_dtype == "auto" else np.dtype(opts.numpy_dtype)
+        asked = np.dtype(opts.numpy_dtype) if opts.numpy_dtype != "auto" else None
         other = [(p, d) for p, d in zip(self.units, self.dtypes) if asked is not None and d != asked]
         if other:  # (only files with an NPY header can differ: it names their type)
             logger.warning("%s: data.numpy_dtype = %s is for raw files; %d file(s) have an NPY header of another type "

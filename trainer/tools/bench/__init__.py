@@ -182,10 +182,9 @@ def main(argv: list[str] | None = None) -> int:
                 if args.json:  # partial results survive a later failure
                     Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
     finally:
-        import torch.distributed as dist
+        from trainer.setup import close_process_group
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        close_process_group()
     with contextlib.suppress(OSError):
         report["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     print(format_table(results))
