@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from trainer.optim.optimizer import step_unless
+from trainer.optim.optimizer import SkipStepAdamW
 
 # (logits, loss already divided by the step's tokens, the step's tokens per rank) -> the loss with added terms
 ExtraLoss = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
@@ -138,7 +138,7 @@ def clip_grad_norm(model_parts: list[torch.nn.Module], max_norm: float, pp_group
     return norm
 
 
-def clip_and_step(model_parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer, *, max_norm: float,
+def clip_and_step(model_parts: list[torch.nn.Module], optimizer: SkipStepAdamW, *, max_norm: float,
                   pp_group=None, should_skip: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
                   ) -> tuple[torch.Tensor, bool | torch.Tensor]:
     """Clip to the global norm, ask ``should_skip(grad_norm)`` for a verdict (a 0-d bool on the device, or
@@ -146,7 +146,7 @@ def clip_and_step(model_parts: list[torch.nn.Module], optimizer: torch.optim.Opt
     sync), zero the gradients. Returns the norm and the verdict (False when there was none)."""
     grad_norm = clip_grad_norm(model_parts, max_norm, pp_group)
     skip = should_skip(grad_norm) if should_skip is not None else None
-    step_unless(optimizer, skip)
+    optimizer.step(skip=skip)
     optimizer.zero_grad(set_to_none=True)
     return grad_norm, False if skip is None else skip
 

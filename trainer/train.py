@@ -61,7 +61,7 @@ from trainer.models.llama.flops import flops_per_token, model_num_params
 from trainer.models.llama.model import Transformer
 from trainer.observability.flight_recorder import setup_flight_recorder
 from trainer.observability.session import Observability, ObservedRun
-from trainer.optim.optimizer import LRSchedule, build_optimizer, supports_device_skip
+from trainer.optim.optimizer import LRSchedule, build_optimizer
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.float8 import register_float8_scale_precompute
 from trainer.parallel.parallelize import DTYPES, set_compile_cache
@@ -167,7 +167,7 @@ class Trainer:
                                          config.optimizer)
         self.lr_schedule = LRSchedule(config.lr_scheduler, config.optimizer.lr, config.training.steps)
         register_float8_scale_precompute(self.optimizer, self.model_parts, config)
-        if not supports_device_skip(self.optimizer):
+        if not self.optimizer.skips_on_device:
             logger.info("optimizer.implementation %s: a stability guard's verdict is read on the host every step "
                         "(fused AdamW applies it on the device, with no synchronisation)",
                         config.optimizer.implementation)

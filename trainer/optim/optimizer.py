@@ -1,4 +1,5 @@
-"""AdamW (decay on 2-D weights, on 1-D ones too by choice) and the learning-rate schedule."""
+"""AdamW (decay on 2-D weights, on 1-D ones too by choice) with an explicit skip, and the learning-rate
+schedule."""
 
 from __future__ import annotations
 
@@ -15,7 +16,38 @@ if TYPE_CHECKING:
 logger = logging.getLogger("trainer")
 
 
-def build_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: Optimizer) -> torch.optim.Optimizer:
+class SkipStepAdamW(torch.optim.AdamW):
+    """AdamW whose step takes a skip verdict: ``step(skip=verdict)``, ``verdict`` a 0-d bool tensor.
+
+    A skipped step leaves parameters, moments and the step count untouched. As in OLMo-core's
+    SkipStepOptimizer the decision stays a tensor: the fused kernel takes it as its ``found_inf`` input (the
+    input mixed-precision loss scaling feeds it, read on the device), so deciding costs no host
+    synchronisation. The foreach and for-loop kernels have no such input: they read the verdict on the host
+    (:attr:`skips_on_device` is False; the trainer says so at start-up). Its state dict is AdamW's.
+    """
+
+    @property
+    def skips_on_device(self) -> bool:
+        """Whether a skip verdict is applied without reading it on the host (the fused kernel)."""
+        return bool(self.defaults.get("fused"))
+
+    def step(self, closure=None, *, skip: torch.Tensor | None = None):
+        """One AdamW step, unless ``skip`` (a 0-d bool tensor on the device; None: never skip) is true."""
+        if skip is None:
+            return super().step(closure)
+        if self.skips_on_device:
+            # AdamW.step hands this attribute to the fused kernel, which then changes nothing if it is set.
+            self.found_inf = skip.to(torch.float32)
+            try:
+                return super().step(closure)
+            finally:
+                del self.found_inf
+        if not bool(skip):  # the host read the non-fused kernels need
+            return super().step(closure)
+        return None
+
+
+def build_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: Optimizer) -> SkipStepAdamW:
     """AdamW over named parameters in two groups: matrices and embeddings (2-D), which decay, and norms and
     biases (1-D), which decay only with ``weight_decay_norms_and_biases`` (torchtitan's behaviour: every
     parameter decays). The two groups exist either way, so a checkpoint's groups fit whatever the key."""
@@ -33,7 +65,7 @@ def build_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: Optimizer
         kwargs["foreach"] = True
     else:
         kwargs["foreach"] = False
-    return torch.optim.AdamW(groups, **kwargs)
+    return SkipStepAdamW(groups, **kwargs)
 
 
 class LRSchedule:
@@ -106,27 +138,3 @@ class LRSchedule:
         for group in optimizer.param_groups:
             group["lr"] = lr
         return lr
-
-
-def supports_device_skip(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``step_unless`` skips without a host read (fused AdamW takes the verdict as ``found_inf``)."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-
-
-def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor | None) -> None:
-    """``optimizer.step()`` unless ``skip`` (a 0-d bool on the device) is true.
-
-    Fused AdamW reads the verdict on the device through the AMP ``found_inf`` protocol: when it is set the
-    kernel leaves parameters, moments and the step count untouched, so deciding costs no host
-    synchronisation. Other implementations read the verdict on the host (the trainer says so at start-up).
-    """
-    if skip is None:
-        optimizer.step()
-    elif supports_device_skip(optimizer):
-        optimizer.found_inf = skip.to(torch.float32)
-        try:
-            optimizer.step()
-        finally:
-            del optimizer.found_inf
-    elif not bool(skip):
-        optimizer.step()
