@@ -40,7 +40,7 @@ from trainer.checkpoint.state import TrainState
 from trainer.config import JobConfig, help_text, load_config, to_toml, validate
 from trainer.errors import OutputError, PeerLost, TrainerError
 from trainer.fault_tolerance.config import data_parallel, job_identity, use_replica_folder
-from trainer.fault_tolerance.replicas import build_replicas
+from trainer.fault_tolerance.replicas import build_replicas, checkpointed_loader
 from trainer.data.loader import build_train_loader, build_val_loader
 from trainer.data.checks import grad_accum_steps
 from trainer.data.faults import SkipMonitor
@@ -184,16 +184,16 @@ class Trainer:
                                lambda: self.replicas.saves_job_checkpoint()) if ft.enable else None
         self.checkpointer = CheckpointManager(
             self.config, model_parts=self.model_parts, optimizer=self.optimizer, lr_schedule=self.lr_schedule,
-            data_loader=self.train_loader, train_state=self.state, callbacks=self.callbacks, device=self.device,
-            dp_rank=self.dp_rank, pp_degree=self.dims.pp, layout=self.dims.describe(), num_params=self.num_params,
-            replica=replica)
+            data_loader=checkpointed_loader(ft, self.train_loader, self.dims.dp), train_state=self.state,
+            callbacks=self.callbacks, device=self.device, dp_rank=self.dp_rank, pp_degree=self.dims.pp,
+            layout=self.dims.describe(), num_params=self.num_params, replica=replica)
         self.checkpointer.load()
         if self.state.resumed_from_step is not None:
             self.callbacks.on_checkpoint_loaded(self.run_view, self.state.resumed_from_step)
         # The other replica groups of a fault-tolerant job (torchft); a no-op for a job without them.
         self.replicas = build_replicas(self.config, self.device, model_parts=self.model_parts,
                                        optimizer=self.optimizer, state=self.state, callbacks=self.callbacks,
-                                       data_loader=self.train_loader, dp=self.dims.dp)
+                                       dp=self.dims.dp)
 
     def build_metrics(self) -> None:
         config = self.config

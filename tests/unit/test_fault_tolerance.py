@@ -150,3 +150,31 @@ def test_dilocos_outer_optimizer_is_the_configured_sgd(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps({"step": s, "loss": float(s)}) + "\n" for s in range(1, 11)) + '{"step": 11')
     assert script.last_mean([script.losses(metrics), {s: 0.0 for s in range(6, 11)}], 10) == 4.0
+
+
+def test_a_groups_checkpoints_merge_its_own_ranks_only():
+    """The checkpoint manager is given the loader as the group's checkpoints see it: the merge keeps the
+    states of this group's ranks (2..3 of 4 for group 1 with 2 ranks each); without fault tolerance it is
+    the loader itself, which merges every rank."""
+    from trainer.data.loader import build_train_loader
+    from trainer.data.tokenizer import load_tokenizer
+    from trainer.errors import DataStateError
+    from trainer.fault_tolerance.replicas import GroupLoaderState, checkpointed_loader
+
+    c = config(*ENABLED, "--training.local_batch_size", "2", "--training.seq_len", "32")
+    tokenizer = load_tokenizer(c)
+    group = [build_train_loader(c, tokenizer, dp_rank=r, dp_world_size=4) for r in (2, 3)]
+    try:
+        for loader in group:
+            next(loader)
+        seen = checkpointed_loader(c.fault_tolerance, group[0], dp=2)
+        assert isinstance(seen, GroupLoaderState) and seen.ranks == [2, 3]
+        assert seen.state_dict() == group[0].state_dict()
+        state = seen.merge_states([loader.state_dict() for loader in group])
+        assert state["kind"] == "global" and all(int(j) % 4 in (2, 3) for j in state["shards"])
+        with pytest.raises(DataStateError, match="merge_states"):  # all four ranks' states are wanted there
+            group[0].merge_states([loader.state_dict() for loader in group])
+        assert checkpointed_loader(config().fault_tolerance, group[0], dp=2) is group[0]
+    finally:
+        for loader in group:
+            loader.close()

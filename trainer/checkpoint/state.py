@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from trainer.data.loader import merge_states
 from trainer.errors import CheckpointError
 from trainer.parallel import clean_fqn
 
@@ -145,10 +144,9 @@ def merge_model_parts(parts: list) -> torch.nn.Module:
 
 
 def merge_loader_states(loader: Any, states: list) -> Any:
-    """One global data-loader state from every data-parallel rank's state (the loader's own
-    ``merge_states``, else ``trainer.data.loader.merge_states``)."""
-    fn = getattr(loader, "merge_states", None) or merge_states
-    return fn(states)
+    """One global data-loader state from every data-parallel rank's state: the loader's ``merge_states``
+    (a replica group of a fault-tolerant job passes a loader whose merge keeps its own ranks)."""
+    return loader.merge_states(states)
 
 
 def load_loader_global_state(loader: Any, global_state: Any) -> None:

@@ -15,7 +15,6 @@ committed step (the same averaged gradients, the same optimizer step).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
@@ -68,7 +67,7 @@ class TorchFTReplicas:
     """One replica group of a fault-tolerant job (see the module's docstring)."""
 
     def __init__(self, cfg: FaultTolerance, device: torch.device, *, model_parts: list, optimizer, state,
-                 callbacks, data_loader, dp: int, group_rank: int, group_world_size: int):
+                 callbacks, dp: int, group_rank: int, group_world_size: int):
         # torchft's own components log every quorum and commit at INFO; RUST_LOG=info shows them again.
         os.environ.setdefault("RUST_LOG", "warn")
         try:
@@ -80,9 +79,6 @@ class TorchFTReplicas:
                               f"{device.type}: use \"gloo\"")
         self.cfg, self.device = cfg, device
         self.model_parts, self.optimizer, self.state, self.callbacks = model_parts, optimizer, state, callbacks
-        # This group's checkpoints hold its own part of the data stream: the states of its ranks only.
-        first = cfg.replica_id * dp
-        data_loader.merge_states = functools.partial(merge_states, ranks=list(range(first, first + dp)))
         self.params = [(name, p) for part in model_parts for name, p in part.named_parameters()]
         timeout = timedelta(milliseconds=cfg.process_group_timeout_ms)
         pg = (torchft.ProcessGroupGloo(timeout=timeout) if cfg.process_group == "gloo"
@@ -330,9 +326,36 @@ def weights_checksum(model_parts: list) -> str:
     return hashlib.sha256("".join(every).encode()).hexdigest()
 
 
+class GroupLoaderState:
+    """The training loader as a replica group's checkpoints see it: its state and restore are the loader's,
+    its merge keeps the states of this group's ranks only (``ranks``: their ranks over the whole job), since
+    each group saves its own part of the data stream."""
+
+    def __init__(self, loader, ranks: list[int]):
+        self.loader, self.ranks = loader, ranks
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def merge_states(self, states: list[dict]) -> dict:
+        return merge_states(states, ranks=self.ranks)
+
+    def load_global_state(self, state: dict) -> None:
+        self.loader.load_global_state(state)
+
+
+def checkpointed_loader(cfg: FaultTolerance, loader, dp: int):
+    """What the checkpoint manager saves of the training loader: the loader itself, or for one replica group
+    of a fault-tolerant job (``dp`` data-parallel ranks each) a :class:`GroupLoaderState`."""
+    if not cfg.enable:
+        return loader
+    first = cfg.replica_id * dp
+    return GroupLoaderState(loader, list(range(first, first + dp)))
+
+
 def build_replicas(config, device: torch.device, **components) -> SingleGroup | TorchFTReplicas:
-    """The job's replica groups: ``components`` are model_parts, optimizer, state, callbacks, data_loader and
-    dp (the data-parallel ranks of one group)."""
+    """The job's replica groups: ``components`` are model_parts, optimizer, state, callbacks and dp (the
+    data-parallel ranks of one group)."""
     if not config.fault_tolerance.enable:
         return SingleGroup()
     return TorchFTReplicas(config.fault_tolerance, device, group_rank=int(os.environ.get("RANK", 0)),
