@@ -65,6 +65,7 @@ from trainer.optim.optimizer import LRSchedule, build_optimizer
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.float8 import register_float8_scale_precompute
 from trainer.parallel.parallelize import DTYPES, set_compile_cache
+from trainer.parallel.pipeline import schedule_microbatches
 from trainer.setup import (
     build_model_parts,
     close_process_group,
@@ -220,7 +221,8 @@ class Trainer:
             config=self.config, model_parts=self.model_parts, model_args=self.model_args, tokenizer=self.tokenizer,
             optimizer=self.optimizer, lr_schedule=self.lr_schedule, state=self.state, device=self.device,
             dims=self.dims, seed=self.seed, dp_rank=self.dp_rank, accum_steps=self.accum_steps,
-            pp_microbatches=getattr(self.pp_schedule, "_n_microbatches", None), global_loss=self.global_loss,
+            pp_microbatches=None if self.pp_schedule is None else schedule_microbatches(self.config),
+            global_loss=self.global_loss,
             finish_checkpoints=lambda: self.checkpointer.finish(), pp_schedule=self.pp_schedule,
             pp_has_first=self.pp_has_first, pp_has_last=self.pp_has_last, pp_group=self.pp_group,
         )

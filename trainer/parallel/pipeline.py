@@ -38,6 +38,11 @@ def build_stage_model(template: nn.Module, names: list[str]) -> nn.Module:
     return stage
 
 
+def schedule_microbatches(config: JobConfig) -> int:
+    """Micro-batches the schedule splits each local batch into (what :func:`build_schedule` gives it)."""
+    return n_microbatches(config, schedule_name(config.parallelism.pipeline_parallel_schedule))
+
+
 def build_schedule(stage_modules: list[nn.Module], stage_ids: list[int], num_stages: int, pp_mesh: DeviceMesh,
                    device: torch.device, config: JobConfig, loss_fn):
     """The schedule driving this rank's stages."""
@@ -50,7 +55,7 @@ def build_schedule(stage_modules: list[nn.Module], stage_ids: list[int], num_sta
     cls = getattr(schedules, SCHEDULES[name], None)
     if cls is None:
         raise ConfigError(f"schedule {name} is not available in this torch version ({torch.__version__})")
-    n_micro = n_microbatches(config, name)
+    n_micro = schedule_microbatches(config)
     # Gradients are already normalised by the loss (tokens of the whole step): no extra scaling.
     return cls(stages[0] if name in SINGLE_STAGE else stages, n_microbatches=n_micro, loss_fn=loss_fn,
                scale_grads=False)
