@@ -15,14 +15,10 @@ if __name__ == "__main__":  # before torch's import, which takes seconds: Ctrl-C
 
     quiet_keyboard_interrupt()
 
-import errno
 import functools
 import gc
-import json
 import logging
 import os
-import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -38,7 +34,7 @@ from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.replicas import ReplicaGroup
 from trainer.checkpoint.state import TrainState
 from trainer.config import JobConfig, help_text, load_config, to_toml, validate
-from trainer.errors import OutputError, PeerLost, TrainerError
+from trainer.errors import PeerLost, TrainerError
 from trainer.fault_tolerance.config import data_parallel, job_identity, use_replica_folder
 from trainer.fault_tolerance.replicas import build_replicas, checkpointed_loader
 from trainer.data.loader import build_train_loader, build_val_loader
@@ -59,6 +55,8 @@ from trainer.metrics import (
 from trainer.models.config import resolve_model_args
 from trainer.models.llama.flops import flops_per_token, model_num_params
 from trainer.models.llama.model import Transformer
+from trainer.dry_run import dry_run
+from trainer.observability.failures import output_failure, peer_failure
 from trainer.observability.flight_recorder import setup_flight_recorder
 from trainer.observability.session import Observability, ObservedRun
 from trainer.optim.optimizer import LRSchedule, build_optimizer
@@ -382,8 +380,7 @@ class Trainer:
             gc.collect()
         elif step % config.training.gc_freq == 0:
             gc.collect(1)
-        crash_for_drill(config, self.rank, step)
-        with obs.step(step):  # CUDA out-of-memory: memory snapshot, re-raised
+        with obs.step(step):  # the drills; CUDA out-of-memory: memory snapshot, re-raised
             out = self.train_step(step)
         last = step == config.training.steps
         # A skip known on the host (a skipped range) is always logged; a guard's verdict stays on the device
@@ -444,99 +441,6 @@ def batch_fingerprint(batch: dict) -> int:
     return sequence_fingerprint(batch["input"], batch["labels"]) if fingerprint is None else fingerprint
 
 
-def crash_for_drill(config: JobConfig, rank: int, step: int) -> None:
-    """debug.crash_at_step: SIGKILL this rank before the step, on torchrun's first attempt only."""
-    d = config.debug
-    if (d.crash_at_step and step == d.crash_at_step and rank == d.crash_rank
-            and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0):
-        logger.warning("debug.crash_at_step: rank %d kills itself (SIGKILL) before step %d (crash drill)", rank, step)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-# Writing outputs failed because of the disk or the folder, not a bug: one line, exit code 5.
-OUTPUT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR,
-                 errno.EEXIST}
-
-_COLLECTIVE_FAILURES = ("timed out waiting", "watchdog caught collective operation timeout",
-                        "connection closed by peer", "connection reset by peer")
-
-
-def collective_failure_note(exc: BaseException, trainer: "Trainer | None") -> str | None:
-    """For a collective that timed out or lost its peer: one line naming this rank, its node and host, the
-    step, and the collective it was in (the flight recorder's oldest unfinished entry: op, group, its
-    ranks), since gloo's own error names none of these. None for any other error."""
-    text = str(exc)
-    if not (isinstance(exc, RuntimeError) and any(p in text.lower() for p in _COLLECTIVE_FAILURES)):
-        return None
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    what = "timed out" if "time" in text.lower() else "lost a peer"
-    where = (f"rank {dist.get_rank()} of {dist.get_world_size()} (node {os.environ.get('GROUP_RANK', 0)}, "
-             f"local rank {os.environ.get('LOCAL_RANK', 0)}, host {socket.gethostname()})")
-    if trainer is not None:
-        where += f" after step {trainer.state.step}"
-    return f"collective {what} on {where}: {pending_collective()}; error: {text.strip().splitlines()[0][:300]}"
-
-
-def peer_failure(exc: BaseException, trainer: "Trainer | None") -> str | None:
-    """The one line for an error that says another rank or node stopped or hung (a collective that timed out
-    or lost its peer; the job's store gone, as when another node fails during start-up); None for others."""
-    note = collective_failure_note(exc, trainer)
-    if note is not None:
-        return note
-    if isinstance(exc, dist.DistError):  # DistNetworkError, DistStoreError: the job's TCP store
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        return (f"rank {os.environ.get('RANK', 0)} (node {os.environ.get('GROUP_RANK', 0)}, host "
-                f"{socket.gethostname()}) lost the job's store: another node or rank stopped "
-                f"first (its console has the cause) or the rendezvous endpoint is unreachable; error: {first}")
-    return None
-
-
-def pending_collective() -> str:
-    """The collective this rank is stuck in, from the flight recorder (comm.trace_buf_size)."""
-    try:
-        from torch.distributed.distributed_c10d import _world
-
-        c10d = torch._C._distributed_c10d
-        entries = []
-        dumps = [getattr(c10d, "_dump_fr_trace_json", None)]
-        if torch.cuda.is_available():
-            dumps.append(getattr(c10d, "_dump_nccl_trace_json", None))
-        for dump in dumps:
-            try:
-                entries += json.loads(dump()).get("entries", []) if dump is not None else []
-            except Exception:  # one recorder unreadable: use the other
-                pass
-        if not entries:
-            return "collective unknown (flight recorder empty or off: comm.trace_buf_size)"
-        open_ = [e for e in entries if not e.get("retired") and e.get("state") != "completed"]
-        e = min(open_, key=lambda x: x.get("time_created_ns", 0)) if open_ else entries[-1]
-        name, desc = (list(e.get("process_group") or ["?", "?"]) + ["?"])[:2]
-        ranks = next((dist.get_process_group_ranks(pg) for pg, n in _world.pg_names.items() if n == name), "?")
-        return (f"{e.get('profiling_name', '?')} on process group {desc} (ranks {ranks}), its collective "
-                f"#{e.get('collective_seq_id', '?')}, input sizes {e.get('input_sizes')}, timeout "
-                f"{e.get('timeout_ms', '?')} ms")
-    except Exception as err:  # diagnosis must never mask the original error
-        return f"collective unknown ({err})"
-
-
-def dry_run(config: JobConfig) -> None:
-    """Validate the config and build the model on the meta device without allocating it."""
-    from trainer.tools.plan.cli import model_args_for_plan
-
-    args, note = model_args_for_plan(config)  # as trainer plan: the tokenizer only if it is on this machine
-    if note:
-        logger.warning(note)
-    with torch.device("meta"):
-        model = Transformer(args)
-    dims = ParallelDims.from_config(config.parallelism, int(os.environ.get("WORLD_SIZE", 1)))
-    print(json.dumps({
-        "flavor": config.model.flavor, "params": model_num_params(model),
-        "flops_per_token": flops_per_token(args, config.training.seq_len), "vocab_size": args.vocab_size,
-        "layout": dims.describe(), "grad_accum_steps": grad_accum_steps(config, dims.dp), "status": "ok",
-    }))
-
-
 def main(argv: list[str] | None = None) -> int:
     logs.setup()
     argv = sys.argv[1:] if argv is None else argv
@@ -551,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         validate(config, int(os.environ.get("WORLD_SIZE", 1)))
         compat.announce(config, int(os.environ.get("RANK", 0)))  # job.print_config, job.save_config_file
         if config.job.dry_run:
-            dry_run(config)
+            dry_run(config)  # trainer/dry_run.py
             return 0
         lock = runlock.acquire_in_worker(config.job, job_identity(config))  # unless the launcher holds it
         trainer = Trainer(config)
@@ -563,15 +467,14 @@ def main(argv: list[str] | None = None) -> int:
         launch.record_failure(e.label, str(e))  # the launcher prints this line and exits with this code
         return e.exit_code
     except OSError as e:
-        if e.errno not in OUTPUT_ERRNOS:
-            raise
-        where = e.filename or (f"the dump folder {trainer.dump_folder}" if trainer else "the dump folder")
-        out = OutputError(f"cannot write {where}: {e.strerror}; free space or choose a writable job.dump_folder")
+        out = output_failure(e, trainer.dump_folder if trainer else None)
+        if out is None:
+            raise  # a bug: its traceback
         logger.error("%s: %s", out.label, out)
         launch.record_failure(out.label, str(out))
         return out.exit_code
     except Exception as e:
-        line = peer_failure(e, trainer)
+        line = peer_failure(e, trainer.state.step if trainer else None)
         if line is None:
             raise  # a bug: its traceback
         logger.error(line)  # another rank's or node's failure seen from here: one line, no traceback

@@ -8,6 +8,7 @@ tests/e2e/test_observability.py. Tests that need a GPU (the gpu marker) skip on 
 from __future__ import annotations
 
 import json
+import os
 import logging
 import pickle
 import re
@@ -402,3 +403,25 @@ def test_cuda_profiler_trace_has_kernels(tmp_path):
     prof.stop()
     events = json.loads((tmp_path / "iteration_2" / "rank0_trace.json").read_text())["traceEvents"]
     assert any(e.get("cat") == "kernel" for e in events) and any(e.get("name") == "forward" for e in events)
+
+
+CRASH_SCRIPT = """
+import sys, types
+from trainer.observability.session import crash_for_drill
+debug = types.SimpleNamespace(crash_at_step=3, crash_rank=1)
+for step in (1, 2, 3, 4):
+    crash_for_drill(debug, int(sys.argv[1]), step)
+    print(step, flush=True)
+"""
+
+
+@pytest.mark.parametrize("rank, restarts, steps, code", [(1, "0", "1\n2\n", -signal.SIGKILL), (0, "0", "1\n2\n3\n4\n", 0),
+                                                          (1, "1", "1\n2\n3\n4\n", 0)],
+                         ids=["drilled-rank", "other-rank", "restarted"])
+def test_crash_drill_kills_its_rank_before_the_step_on_the_first_attempt_only(rank, restarts, steps, code):
+    """debug.crash_at_step (run by the observability session before each step): the drilled rank dies by
+    SIGKILL before that step, only on torchrun's first attempt; other ranks and a restarted one go on."""
+    proc = popen([sys.executable, "-c", CRASH_SCRIPT, str(rank)], env={**os.environ, "TORCHELASTIC_RESTART_COUNT":
+                                                                       restarts}, stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == code and out == steps

@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -29,6 +30,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger("trainer")
 
 _PROCESS_START = time.time()  # about when this process imported the trainer (start-up time in the summary)
+
+
+def crash_for_drill(debug, rank: int, step: int) -> None:
+    """debug.crash_at_step: SIGKILL this rank before the step, on torchrun's first attempt only."""
+    d = debug
+    if (d.crash_at_step and step == d.crash_at_step and rank == d.crash_rank
+            and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0):
+        logger.warning("debug.crash_at_step: rank %d kills itself (SIGKILL) before step %d (crash drill)", rank, step)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def format_duration(seconds: float) -> str:
@@ -140,9 +150,10 @@ class Observability:
 
     @contextlib.contextmanager
     def step(self, step: int):
-        """Around one training step: the hang drill, and a memory snapshot on CUDA out-of-memory."""
+        """Around one training step: the crash and hang drills, and a memory snapshot on CUDA out-of-memory."""
         self.current_step = step
         d = self.config.debug
+        crash_for_drill(d, self.rank, step)
         if d.stall_at_step and step == d.stall_at_step and self.rank == d.stall_rank:
             logger.warning("debug.stall_at_step: rank %d stalls for %.0f s before step %d (hang drill)",
                            self.rank, d.stall_seconds, step)

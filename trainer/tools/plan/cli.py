@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import ConfigError, JobConfig, load_config, validate
-from trainer.models.config import resolve_model_args
+from trainer.dry_run import model_args_for_plan
 from trainer.parallel.config import resolve_degrees
 from trainer.tools.plan.memory import (
     AC_MODES,
@@ -59,21 +59,6 @@ def ac_name(config: JobConfig) -> str:
         opt = config.activation_checkpoint.selective_ac_option
         return "selective_op" if opt == "op" else f"selective_{int(opt)}"
     return mode
-
-
-def model_args_for_plan(config: JobConfig):
-    """The model args the trainer would build, and a note when the tokenizer is not on this machine (then
-    the vocabulary comes from the flavor or model.vocab_size, unchecked against the tokenizer)."""
-    from trainer.data.tokenizer import load_tokenizer
-
-    tokenizer_vocab = None
-    note = None
-    path = config.model.tokenizer_path
-    if path == "" or Path(path).exists():
-        tokenizer_vocab = load_tokenizer(config).vocab_size
-    else:
-        note = f"tokenizer {path} not found: vocabulary from the flavor/model.vocab_size"
-    return resolve_model_args(config, tokenizer_vocab), note
 
 
 def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | None = None,
