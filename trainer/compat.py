@@ -170,10 +170,15 @@ def resolve(config) -> None:
         c.initial_load_path = m.hf_assets_path
     converters = [CONVERTER_NAMES.get(c, c) for c in m.converters]
     m.converters = list(dict.fromkeys(converters))  # "float8" beside its full name is still one converter
+    # torchtitan's [training.dataloader] keys are the user's [data] keys: marked as given, so that a default
+    # derived later (data.pin_memory on CUDA) does not override them. Both given and different: left for
+    # check to refuse.
     w = config.training.dataloader
     for name in ("num_workers", "pin_memory", "prefetch_factor"):
-        if explicit(f"training.dataloader.{name}") and getattr(w, name) is not None:
+        if (explicit(f"training.dataloader.{name}") and getattr(w, name) is not None
+                and not explicit(f"data.{name}")):
             setattr(config.data, name, getattr(w, name))
+            config.explicit_keys.add(f"data.{name}")
 
 
 def announce(config, rank: int) -> None:

@@ -59,13 +59,13 @@ def record_failure(label: str, message: str) -> None:
 def _job(trainer_argv: list[str]) -> tuple[str, int, str | None, str]:
     """(job.dump_folder, job.lock_stale_after_s, the job's name for the run lock when it is one replica group
     of a fault-tolerant job, the folder this launch's outputs go to) of the trainer's command line."""
-    from trainer.fault_tolerance.config import job_identity as replica_group_job, use_replica_folder
+    from trainer.fault_tolerance.config import group_dump_folder, job_identity as replica_group_job
 
     try:
         config = load_config(trainer_argv)  # parsing only: the pre-flight validated
-        dump_folder, identity = config.job.dump_folder, replica_group_job(config)
-        use_replica_folder(config)  # a replica group's outputs: <dump_folder>/replica_<id>
-        return dump_folder, config.job.lock_stale_after_s, identity, config.job.dump_folder
+        # A replica group's outputs: <dump_folder>/replica_<id>.
+        return (config.job.dump_folder, config.job.lock_stale_after_s, replica_group_job(config),
+                group_dump_folder(config))
     except Exception:  # the pre-flight has validated the config; this is only where the log goes
         return "./outputs", 300, None, "./outputs"
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.config import JobConfig
+from trainer.config import JobConfig, run_seed
 from trainer.parallel.dims import ParallelDims, device_type
 from trainer.parallel.init import init_weights
 from trainer.parallel.parallelize import parallelize
@@ -86,8 +86,7 @@ def set_train_timeout(seconds: int) -> None:
 
 
 def configure_determinism(config: JobConfig, device: torch.device) -> None:
-    seed = 0 if config.debug.seed is None else config.debug.seed
-    torch.manual_seed(seed)
+    torch.manual_seed(run_seed(config))
     if config.debug.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=config.debug.deterministic_warn_only)

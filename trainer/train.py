@@ -33,9 +33,9 @@ from trainer.callbacks import CallbackList, RunView, build_callbacks
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.replicas import ReplicaGroup
 from trainer.checkpoint.state import TrainState
-from trainer.config import JobConfig, help_text, load_config, to_toml, validate
+from trainer.config import JobConfig, derive, help_text, load_config, to_toml, validate
 from trainer.errors import PeerLost, TrainerError
-from trainer.fault_tolerance.config import data_parallel, job_identity, use_replica_folder
+from trainer.fault_tolerance.config import data_parallel, job_identity
 from trainer.fault_tolerance.replicas import build_replicas, checkpointed_loader
 from trainer.data.loader import build_train_loader, build_val_loader
 from trainer.data.checks import grad_accum_steps
@@ -60,7 +60,7 @@ from trainer.observability.failures import output_failure, peer_failure
 from trainer.observability.flight_recorder import setup_flight_recorder
 from trainer.observability.session import Observability, ObservedRun
 from trainer.optim.optimizer import LRSchedule, build_optimizer
-from trainer.parallel.dims import ParallelDims
+from trainer.parallel.dims import ParallelDims, device_type
 from trainer.parallel.float8 import register_float8_scale_precompute
 from trainer.parallel.parallelize import DTYPES, set_compile_cache
 from trainer.parallel.pipeline import schedule_microbatches
@@ -79,11 +79,12 @@ logger = logging.getLogger("trainer")
 
 class Trainer:
     def __init__(self, config: JobConfig):
-        self.config = config
-        # [fault_tolerance]: this group's outputs under <dump_folder>/replica_<id>; checkpoints stay the job's.
-        self.job_dump_folder = use_replica_folder(config)
-        self.dump_folder = Path(config.job.dump_folder)
-        self.setup_process()  # process group, device, mesh, seeds; the resolved config.toml
+        # The job's dump folder holds its checkpoints; a replica group's outputs go below it (job.dump_folder
+        # of the run's config, which holds the derived values and is frozen: trainer/config/derive.py).
+        self.job_dump_folder = config.job.dump_folder
+        self.config = derive(config, device_type())
+        self.dump_folder = Path(self.config.job.dump_folder)
+        self.setup_process()  # process group, device, mesh, seeds; the run's config.toml
         self.build_data()  # tokenizer and loaders
         self.build_model()  # meta device -> parallelize -> materialise and initialise
         self.build_optimizer()  # optimizer, LR schedule
@@ -105,12 +106,8 @@ class Trainer:
         self.is_logging_rank = self.rank == 0
         configure_determinism(config, self.device)
         set_compile_cache(config.compile.cache_dir)
-        self.seed = 0 if config.debug.seed is None else config.debug.seed
+        self.seed = config.debug.seed
         self.accum_steps = grad_accum_steps(config, self.data_dp)
-        if self.device.type == "cuda" and not config.explicitly_set("data.pin_memory"):
-            # Pinned batches make forward_backward's non_blocking host-to-device copies asynchronous (from
-            # pageable memory they are synchronous copies through a staging buffer).
-            config.data.pin_memory = True
         if self.is_logging_rank:
             self.dump_folder.mkdir(parents=True, exist_ok=True)
             (self.dump_folder / "config.toml").write_text(to_toml(config))

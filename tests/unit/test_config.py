@@ -3,7 +3,7 @@
 import pytest
 
 from tests.support.launch import ROOT
-from trainer.config import ConfigError, load_config, markdown_reference, to_toml, validate
+from trainer.config import ConfigError, FrozenConfigError, derive, load_config, markdown_reference, to_toml, validate
 
 
 def write(tmp_path, text):
@@ -96,3 +96,51 @@ def test_resolved_config_round_trips(tmp_path):
 def test_docs_config_md_matches_code():
     committed = (ROOT / "docs" / "config.md").read_text()
     assert committed == markdown_reference(), "regenerate: python -m trainer.config --markdown > docs/config.md"
+
+
+@pytest.mark.parametrize("args, device, pinned", [
+    ([], "cpu", False), ([], "cuda", True), (["--data.pin_memory", "false"], "cuda", False),
+    (["--training.dataloader.pin_memory", "false"], "cuda", False),  # torchtitan's name for the same key
+    (["--data.pin_memory", "true"], "cpu", True),
+], ids=["cpu", "cuda", "user-false", "torchtitan-false", "user-true-cpu"])
+def test_the_runs_config_holds_its_derived_values(args, device, pinned):
+    """derive: the seed's default (0) and pinned memory on CUDA unless the user said otherwise, computed once
+    and written to config.toml; the parsed config is left as it was."""
+    c = load_config(args, env={})
+    validate(c)
+    run = derive(c, device)
+    assert run.data.pin_memory is pinned and run.debug.seed == 0
+    assert c.debug.seed is None and c.data.pin_memory is (pinned if args else False)
+    toml = to_toml(run)
+    assert f"pin_memory = {'true' if pinned else 'false'}" in toml.split("[data]")[1].split("\n[")[0]
+    assert "seed = 0" in toml.split("[debug]")[1].split("\n[")[0]
+    assert derive(load_config(["--debug.seed", "7"], env={}), device).debug.seed == 7
+
+
+def test_the_runs_config_is_frozen():
+    """After derive no key can change (a layer would change what another already read); a copy can."""
+    import copy
+    import pickle
+
+    run = derive(load_config([], env={}), "cpu")
+    with pytest.raises(FrozenConfigError, match="Training.steps cannot change"):
+        run.training.steps = 3
+    with pytest.raises(FrozenConfigError):
+        run.data = None
+    with pytest.raises(AttributeError):
+        run.explicit_keys.add("training.steps")
+    for other in (copy.deepcopy(run), pickle.loads(pickle.dumps(run))):
+        other.training.steps = 3
+        assert other.training.steps == 3 and other.to_dict() | {"training": None} == run.to_dict() | {"training": None}
+    assert run.training.steps == 10000
+
+
+def test_data_keys_given_under_both_names_must_agree():
+    """torchtitan's [training.dataloader] keys are [data]'s: both given and different is refused, not
+    decided silently for one of them."""
+    with pytest.raises(ConfigError, match=r"data.num_workers \(1\) and training.dataloader.num_workers \(2\) "
+                                          "disagree; set one"):
+        validate(load_config(["--data.num_workers", "1", "--training.dataloader.num_workers", "2"], env={}))
+    same = load_config(["--data.num_workers", "2", "--training.dataloader.num_workers", "2"], env={})
+    validate(same)
+    assert same.data.num_workers == 2

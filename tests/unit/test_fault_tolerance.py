@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from tests.support.launch import DEBUG_CONFIG, ROOT
-from trainer.config import ConfigError, load_config, validate
+from trainer.config import ConfigError, derive, load_config, validate
 from trainer.fault_tolerance import config as ft_config
-from trainer.fault_tolerance.config import data_parallel, job_identity, use_replica_folder
+from trainer.fault_tolerance.config import data_parallel, group_dump_folder, job_identity
 from trainer.runlock import RunLock, RunLockedError
 
 ENABLED = ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2", "--fault_tolerance.replica_id", "1"]
@@ -74,12 +74,12 @@ def test_each_group_reads_its_own_part_of_the_stream():
 
 
 def test_each_group_writes_under_its_replica_folder(tmp_path):
+    """The run's config (derived once) holds the group's output folder; the parsed one keeps the job's."""
     c = config(*ENABLED, "--job.dump_folder", str(tmp_path))
-    use_replica_folder(c)
-    assert c.job.dump_folder == str(tmp_path / "replica_1")
+    assert group_dump_folder(c) == str(tmp_path / "replica_1")
+    assert derive(c, "cpu").job.dump_folder == str(tmp_path / "replica_1") and c.job.dump_folder == str(tmp_path)
     plain = config("--job.dump_folder", str(tmp_path))
-    use_replica_folder(plain)
-    assert plain.job.dump_folder == str(tmp_path)
+    assert group_dump_folder(plain) == str(tmp_path) == derive(plain, "cpu").job.dump_folder
 
 
 def test_the_groups_of_one_job_share_the_dump_folder_lock(tmp_path):

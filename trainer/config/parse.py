@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import logging
 import os
 import sys
 import types
@@ -284,9 +283,18 @@ def load_config(argv: list[str] | None = None, env: dict[str, str] | None = None
             section = getattr(section, part)
         setattr(section, f.name, converted)
     config.explicit_keys = set(values)
-    _sources_over_a_file_dataset(config, values)
-    compat.resolve(config)  # torchtitan's names (hf_assets_path, [training.dataloader]) onto ours
+    config.command_line_keys = {key for key, (_, from_cli) in values.items() if from_cli}
+    for resolve in _after_parsing():
+        resolve(config)
     return config
+
+
+def _after_parsing():
+    """What runs on every parsed config, in order: layers' precedence rules between keys, then torchtitan's
+    names (hf_assets_path, [training.dataloader]) mapped onto ours."""
+    from trainer.data.checks import prefer_command_line_sources  # the data layer imports the config package
+
+    return (prefer_command_line_sources, compat.resolve)
 
 
 def _relative_hint(path: Path) -> str:
@@ -296,21 +304,6 @@ def _relative_hint(path: Path) -> str:
     bundled = Path(__file__).resolve().parents[2] / path
     also = f"; the repository has {bundled}" if bundled.is_file() else ""
     return f" (relative to the working directory {os.getcwd()}){also}"
-
-
-def _sources_over_a_file_dataset(config: JobConfig, values: dict[str, tuple[Any, bool]]) -> None:
-    """``--data.sources`` on the command line over a config file's ``training.dataset`` (the presets set one):
-    the command line wins, as it does for any key, and the log says so. Both in the same place stay a
-    mistake (validation refuses it)."""
-    if not values.get("data.sources", (None, False))[1]:
-        return
-    from_file = [k for k in ("training.dataset", "training.dataset_path") if k in values and not values[k][1]]
-    for key in from_file:
-        config.explicit_keys.discard(key)
-    if from_file:
-        logging.getLogger("trainer").info(
-            "data.sources from the command line replaces %s of %s", " and ".join(
-                f"{k} = {json.dumps(section_of(config, k))}" for k in from_file), config.job.config_file)
 
 
 def toml_value(v: Any) -> str:

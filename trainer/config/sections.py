@@ -169,6 +169,8 @@ class JobConfig:
         # The dotted keys the user gave (TOML file or command line), recorded by the parser. A plain
         # attribute, not a field: it is no config key and stays out of to_dict(), TOML and JSON dumps.
         self.explicit_keys: set[str] = set()
+        # Those of them given on the command line (the rest came from the TOML file).
+        self.command_line_keys: set[str] = set()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

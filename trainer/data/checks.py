@@ -4,11 +4,30 @@ section itself is declared in config.py."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 
 from trainer.data.c4 import DataNotLocal
 from trainer.data.sources import training_specs, validation_spec
 from trainer.errors import ConfigError
+
+
+def prefer_command_line_sources(config) -> None:
+    """``--data.sources`` on the command line over a config file's ``training.dataset`` (the presets set one):
+    the command line wins, as it does for any key, and the log says so. Both in the same place stay a
+    mistake (validation refuses it). Runs right after parsing (``load_config``)."""
+    cli = config.command_line_keys
+    if "data.sources" not in cli:
+        return
+    from_file = [k for k in ("training.dataset", "training.dataset_path") if config.explicitly_set(k) and k not in cli]
+    for key in from_file:
+        config.explicit_keys.discard(key)
+    if from_file:
+        values = {"training.dataset": config.training.dataset, "training.dataset_path": config.training.dataset_path}
+        logging.getLogger("trainer").info(
+            "data.sources from the command line replaces %s of %s",
+            " and ".join(f"{k} = {json.dumps(values[k])}" for k in from_file), config.job.config_file)
 
 
 def check_data_section(d) -> None:

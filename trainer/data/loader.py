@@ -37,6 +37,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from trainer.data.prefetch import Prefetcher
+from trainer.config.derive import run_seed
 from trainer.errors import ConfigError, DataStateError
 from trainer.data.checks import batch_geometry
 from trainer.fingerprint import split_fingerprint, window_fingerprint
@@ -88,7 +89,7 @@ def check_prepared_tokenizer(spec, have: dict, want: dict) -> None:
 def data_seed(config) -> int:
     if config.data.seed is not None:
         return int(config.data.seed)
-    return int(config.debug.seed) if config.debug.seed is not None else 0
+    return run_seed(config)
 
 
 def _empty_shards(src, num_shards: int) -> list[int]:
@@ -664,9 +665,7 @@ def build_val_loader(config, tokenizer, *, dp_rank: int, dp_world_size: int) -> 
     """The validation batches of one rank: a fresh, deterministic pass each time it is iterated."""
     if not 0 <= dp_rank < dp_world_size:
         raise ValueError(f"dp_rank {dp_rank} out of range for dp_world_size {dp_world_size}")
-    b = int(config.validation.local_batch_size)
-    if b < 1:
-        raise ConfigError(f"validation.local_batch_size must be >= 1, got {b}")
+    b = int(config.validation.local_batch_size)  # >= 1: validated (trainer/config/rules.py)
     seq_len = config.validation.seq_len if config.validation.seq_len > 0 else config.training.seq_len
     plan = build_plan(config, tokenizer, [validation_spec(config)], [1.0], num_shards=1, shuffle=False, max_epochs=1,
                       seq_len=seq_len)

@@ -157,15 +157,15 @@ def data_parallel(ft: FaultTolerance, dp: int, dp_rank: int) -> tuple[int, int]:
     return ft.group_size * dp, ft.replica_id * dp + dp_rank
 
 
-def use_replica_folder(config) -> str:
-    """Each replica group writes its outputs (config.toml, metrics.jsonl, TensorBoard, summary.json) under
-    <job.dump_folder>/replica_<id>: the groups of one job share its dump folder. Returns the job's dump
-    folder, where the job's checkpoints are (trainer/checkpoint/replicas.py)."""
+def group_dump_folder(config) -> str:
+    """Where this launch writes its outputs (config.toml, metrics.jsonl, TensorBoard, summary.json): a replica
+    group of a fault-tolerant job under <job.dump_folder>/replica_<id>, so that the groups of one job share
+    its dump folder (and its checkpoints, trainer/checkpoint/replicas.py); any other run in job.dump_folder.
+    The run's config holds it as job.dump_folder (trainer/config/derive.py)."""
     ft: FaultTolerance = config.fault_tolerance
-    job = config.job.dump_folder
     if ft.enable:
-        config.job.dump_folder = os.path.join(job, f"replica_{ft.replica_id}")
-    return job
+        return os.path.join(config.job.dump_folder, f"replica_{ft.replica_id}")
+    return config.job.dump_folder
 
 
 def job_identity(config, env=os.environ) -> str | None:
