@@ -5,7 +5,8 @@ config -> process group and mesh -> tokenizer and data -> model on the meta devi
 materialise and initialise -> optimizer and LR schedule -> checkpoints (resume) -> metrics.
 ``Trainer.train`` is the loop: data -> forward/backward per micro-batch -> clip -> step -> log -> save.
 The step's pieces are free functions in trainer/step.py, process setup and the model-part builder are in
-trainer/setup.py: ``trainer simulate`` calls the same ones.
+trainer/setup.py: ``trainer simulate`` calls the same ones. ``main`` is the process: the config, then the dry
+run (trainer/dry_run.py) or the run, and a failure's one line (trainer/observability/failures.py).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from trainer.data.loader import build_train_loader, build_val_loader
 from trainer.data.checks import grad_accum_steps
 from trainer.data.faults import SkipMonitor
 from trainer.data.tokenizer import load_tokenizer
+from trainer.dry_run import dry_run
 from trainer.fingerprint import sequence_fingerprint, wrap_int64
 from trainer.metrics import (
     MetricsWriter,
@@ -55,7 +57,6 @@ from trainer.metrics import (
 from trainer.models.config import resolve_model_args
 from trainer.models.llama.flops import flops_per_token, model_num_params
 from trainer.models.llama.model import Transformer
-from trainer.dry_run import dry_run
 from trainer.observability.failures import output_failure, peer_failure
 from trainer.observability.flight_recorder import setup_flight_recorder
 from trainer.observability.session import Observability, ObservedRun
