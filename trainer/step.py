@@ -146,7 +146,7 @@ def clip_and_step(model_parts: list[torch.nn.Module], optimizer: SkipStepAdamW, 
     sync), zero the gradients. Returns the norm and the verdict (False when there was none)."""
     grad_norm = clip_grad_norm(model_parts, max_norm, pp_group)
     skip = should_skip(grad_norm) if should_skip is not None else None
-    optimizer.step(skip=skip)
+    optimizer.step_or_skip(skip)
     optimizer.zero_grad(set_to_none=True)
     return grad_norm, False if skip is None else skip
 

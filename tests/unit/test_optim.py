@@ -93,7 +93,7 @@ def test_weight_decay_norms_and_biases_is_torchtitans_optimizer_bitwise(implemen
 
 @pytest.mark.parametrize("implementation", ["fused", "foreach", "for-loop"])
 def test_a_skipped_step_changes_nothing_and_a_taken_one_is_adamws(implementation):
-    """step(skip=verdict): a true verdict leaves weights, moments and AdamW's step count as they were; a
+    """step_or_skip(verdict): a true verdict leaves weights, moments and AdamW's step count as they were; a
     false one (or none) is torch's AdamW step bit for bit. Only the fused kernel applies the verdict on the
     device."""
     ours, theirs = _debug_shaped_model(), _debug_shaped_model()
@@ -103,6 +103,8 @@ def test_a_skipped_step_changes_nothing_and_a_taken_one_is_adamws(implementation
                                    {"params": [p for p in theirs.parameters() if p.ndim < 2], "weight_decay": 0.0}],
                                   lr=3e-3, betas=(0.9, 0.95), eps=1e-8, **flag)
     assert opt.skips_on_device == (implementation == "fused")
+    hooks = []
+    opt.register_step_pre_hook(lambda *_: hooks.append("pre"))  # what the checkpoint manager relies on
     tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
     verdicts = [None, torch.tensor(False), torch.tensor(True), torch.tensor(False), torch.tensor(True)]
     for verdict in verdicts:
@@ -111,7 +113,7 @@ def test_a_skipped_step_changes_nothing_and_a_taken_one_is_adamws(implementation
             torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
         before = {k: v.clone() for k, v in ours.state_dict().items()}
         state_before = [{k: v.clone() for k, v in s.items()} for s in opt.state.values()]
-        opt.step(skip=verdict)
+        opt.step_or_skip(verdict)
         if verdict is not None and bool(verdict):
             assert all(torch.equal(before[k], v) for k, v in ours.state_dict().items())
             assert all(torch.equal(a[k], b[k]) for a, b in zip(state_before, opt.state.values()) for k in a)
@@ -120,6 +122,8 @@ def test_a_skipped_step_changes_nothing_and_a_taken_one_is_adamws(implementation
         opt.zero_grad()
         reference.zero_grad()
     assert not hasattr(opt, "found_inf")  # the verdict does not outlive its step
+    # Once per step() call: the fused kernel is called (and skips) on every verdict, the others only to step.
+    assert len(hooks) == (5 if implementation == "fused" else 3)
     for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
         assert torch.equal(a, b), name
     assert [s["step"].item() for s in opt.state.values()] == [3.0] * len(opt.state)

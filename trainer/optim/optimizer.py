@@ -17,13 +17,14 @@ logger = logging.getLogger("trainer")
 
 
 class SkipStepAdamW(torch.optim.AdamW):
-    """AdamW whose step takes a skip verdict: ``step(skip=verdict)``, ``verdict`` a 0-d bool tensor.
+    """AdamW whose step takes a skip verdict: ``step_or_skip(verdict)``, ``verdict`` a 0-d bool tensor.
 
     A skipped step leaves parameters, moments and the step count untouched. As in OLMo-core's
     SkipStepOptimizer the decision stays a tensor: the fused kernel takes it as its ``found_inf`` input (the
     input mixed-precision loss scaling feeds it, read on the device), so deciding costs no host
     synchronisation. The foreach and for-loop kernels have no such input: they read the verdict on the host
-    (:attr:`skips_on_device` is False; the trainer says so at start-up). Its state dict is AdamW's.
+    (:attr:`skips_on_device` is False; the trainer says so at start-up). ``step`` and the state dict are
+    AdamW's.
     """
 
     @property
@@ -31,20 +32,23 @@ class SkipStepAdamW(torch.optim.AdamW):
         """Whether a skip verdict is applied without reading it on the host (the fused kernel)."""
         return bool(self.defaults.get("fused"))
 
-    def step(self, closure=None, *, skip: torch.Tensor | None = None):
-        """One AdamW step, unless ``skip`` (a 0-d bool tensor on the device; None: never skip) is true."""
+    def step_or_skip(self, skip: torch.Tensor | None) -> None:
+        """``step()`` unless ``skip`` (a 0-d bool tensor on the device; None: never skip) is true.
+
+        Through ``step`` itself, so its hooks run as they would for a plain step (a separate method: torch
+        wraps each optimizer class's own ``step`` with the hooks, and an override calling AdamW's could
+        run them twice)."""
         if skip is None:
-            return super().step(closure)
-        if self.skips_on_device:
+            self.step()
+        elif self.skips_on_device:
             # AdamW.step hands this attribute to the fused kernel, which then changes nothing if it is set.
             self.found_inf = skip.to(torch.float32)
             try:
-                return super().step(closure)
+                self.step()
             finally:
                 del self.found_inf
-        if not bool(skip):  # the host read the non-fused kernels need
-            return super().step(closure)
-        return None
+        elif not bool(skip):  # the host read the non-fused kernels need
+            self.step()
 
 
 def build_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: Optimizer) -> SkipStepAdamW:
