@@ -415,13 +415,13 @@ for step in (1, 2, 3, 4):
 """
 
 
-@pytest.mark.parametrize("rank, restarts, steps, code", [(1, "0", "1\n2\n", -signal.SIGKILL), (0, "0", "1\n2\n3\n4\n", 0),
-                                                          (1, "1", "1\n2\n3\n4\n", 0)],
-                         ids=["drilled-rank", "other-rank", "restarted"])
+@pytest.mark.parametrize("rank, restarts, steps, code", [
+    (1, "0", "1\n2\n", -signal.SIGKILL), (0, "0", "1\n2\n3\n4\n", 0), (1, "1", "1\n2\n3\n4\n", 0),
+], ids=["drilled-rank", "other-rank", "restarted"])
 def test_crash_drill_kills_its_rank_before_the_step_on_the_first_attempt_only(rank, restarts, steps, code):
     """debug.crash_at_step (run by the observability session before each step): the drilled rank dies by
     SIGKILL before that step, only on torchrun's first attempt; other ranks and a restarted one go on."""
-    proc = popen([sys.executable, "-c", CRASH_SCRIPT, str(rank)], env={**os.environ, "TORCHELASTIC_RESTART_COUNT":
-                                                                       restarts}, stdout=subprocess.PIPE, text=True)
+    env = {**os.environ, "TORCHELASTIC_RESTART_COUNT": restarts}
+    proc = popen([sys.executable, "-c", CRASH_SCRIPT, str(rank)], env=env, stdout=subprocess.PIPE, text=True)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == code and out == steps
