@@ -81,7 +81,3 @@ def freeze(config) -> None:
         if type(obj) not in _FROZEN.values():
             object.__setattr__(obj, "__class__", _frozen_class(type(obj)))
 
-
-def is_frozen(config) -> bool:
-    """Whether ``config`` is a run's derived, frozen config."""
-    return type(config) in _FROZEN.values()

@@ -4,6 +4,9 @@ Precedence: command line > TOML file > defaults. Anything a user can get wrong (
 raises :class:`ConfigError` naming the key. Parsing does not validate: the value rules run in
 ``validate.py``, called once by whoever needs a valid config (the launcher's pre-flight, each worker at
 start-up, the command-line tools). A key that moved keeps its former name as an alias (``keys.aliases``).
+Right after parsing, the layers' precedence rules between keys (trainer/data/checks.py) and torchtitan's
+names (trainer/compat.py) are applied; the values derived from others or from the machine come last, once,
+on the validated config (``derive.py``).
 """
 
 from __future__ import annotations
