@@ -18,6 +18,7 @@ from tests.support.imports import (
     private_imports,
     unresolved_imports,
 )
+from tests.support.suite_rules import cross_test_imports, process_starts, suite_files
 
 MAX_MODULE_LINES = 700
 MAX_FUNCTION_LINES = 80
@@ -146,3 +147,31 @@ def test_a_key_is_matched_whole(tmp_path):
     assert unread_keys(keys, [code]) == ["checkpoint.interval", "eval.limit"]
     code.write_text("def f(config):\n    for name in ('interval', 'x'):\n        getattr(config.checkpoint, name)\n")
     assert unread_keys(keys, [code]) == ["training.steps", "eval.limit"]
+
+
+def test_suite_rules_see_what_they_forbid(tmp_path):
+    root = tmp_path / "tests"
+    files = {"unit/test_a.py": "import subprocess as sp\nfrom tests.unit import test_b\nsp.run(['true'])\n",
+             "unit/test_b.py": "import os, torch.multiprocessing as mp\nfrom tests.support import helper\n"
+                               "os.fork()\nmp.start_processes(f)\nos.path.join('a')\n",
+             "distributed/test_c.py": "from concurrent.futures import ProcessPoolExecutor\nimport tests.e2e.test_d\n",
+             "support/processes.py": "import subprocess\nsubprocess.Popen(['true'])\n", "support/helper.py": ""}
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    paths = suite_files(root)
+    assert process_starts(paths, allowed=root / "support" / "processes.py") == [
+        "test_c.py:1: from concurrent.futures import ProcessPoolExecutor", "test_a.py:3: subprocess.run",
+        "test_b.py:3: os.fork", "test_b.py:4: torch.multiprocessing.start_processes"]
+    assert cross_test_imports(paths, root) == ["tests.distributed.test_c imports tests.e2e.test_d",
+                                               "tests.unit.test_a imports tests.unit.test_b"]
+
+
+def test_every_process_a_test_starts_goes_through_processes_py():
+    """So that it dies with the session whatever ends it (tests/support/processes.py)."""
+    assert process_starts(suite_files()) == []
+
+
+def test_test_modules_never_import_each_other():
+    """What two test modules share lives in tests/support/."""
+    assert cross_test_imports(suite_files()) == []
