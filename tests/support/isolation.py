@@ -5,6 +5,12 @@ tests/conftest.py snapshots before each test (and each test module) and fails th
 something changed, after restoring it, so a test's outcome cannot depend on which tests ran before it.
 tests/distributed/worker.py does the same around each of the runs it trains in one process.
 
+Two kinds of change are not failures. What a command's ``main`` sets up for the process it runs in
+(console logging, the flight recorder's variables, determinism flags: :data:`ENTRY_POINT_SETTINGS`) is put
+back after a test without failing it, since tests call mains in-process on purpose; :func:`entry_point`
+puts it back right after the call. What a library sets once per process and keeps (Inductor's default
+cache folder, the DataLoader's SIGCHLD handler) is left alone.
+
 What is compared: every signal's handler (the Python one and the one the kernel holds, which
 ``faulthandler.register`` changes without Python seeing it) and the blocked-signal mask; ``os.environ`` and
 the working directory; ``sys.excepthook``, ``threading.excepthook`` (unless pytest's own),
@@ -249,43 +255,55 @@ def _same(a, b) -> bool:
         return a is b
 
 
+def _library_setup(name: str, value) -> bool:
+    """A value a library sets once per process, lazily, and relies on keeping: not a test's doing, and not to
+    be undone (torch would not set it again)."""
+    if name == "environment variable TORCHINDUCTOR_CACHE_DIR":
+        return _torch_default_inductor_cache(value)  # Inductor's default, set when it first locates its cache
+    if name == "environment variable KMP_DUPLICATE_LIB_OK":
+        return value == "True"  # scikit-learn's import sets it (lm-eval loads it), as Inductor's C++ builder does
+    if name == "signal handler SIGCHLD":  # the DataLoader's, installed with its first worker process
+        return getattr(value[0], "__module__", "") == "torch.utils.data._utils.signal_handling"
+    return False
+
+
 def _differs(name: str, before: Entry, after: Entry | None) -> bool:
     if after is None:
         # Only environment variables vanish; a logger or config module never does.
         return name.startswith("environment variable ")
-    return not _same(before.value, after.value)
+    return not _same(before.value, after.value) and not _library_setup(name, after.value)
+
+
+def _diff(before: Snapshot, after: Snapshot) -> dict[str, str]:
+    """name -> what happened to it, for each entry that differs."""
+    out = {name: f"{name} changed ({_short(entry.value)} -> {_short(after[name].value) if name in after else 'unset'})"
+           for name, entry in before.items() if _differs(name, entry, after.get(name))}
+    for name, entry in after.items():
+        if name in before or _library_setup(name, entry.value):
+            continue
+        if name.startswith("environment variable "):
+            out[name] = f"{name} set ({_short(entry.value)})"
+        elif name.startswith("logger ") and _ours(name) and entry.value != _DEFAULT_LOGGER:
+            out[name] = f"{name} configured ({_short(entry.value)})"  # a logger made during the test and set up
+    return out
 
 
 def changes(before: Snapshot, after: Snapshot | None = None) -> list[str]:
     """What differs between ``before`` and ``after`` (default: now), one phrase each, sorted."""
-    after = snapshot() if after is None else after
-    out = [f"{name} changed ({_short(entry.value)} -> {_short(after[name].value) if name in after else 'unset'})"
-           for name, entry in before.items() if _differs(name, entry, after.get(name))]
-    for name, entry in after.items():
-        if name in before:
-            continue
-        if name == "environment variable TORCHINDUCTOR_CACHE_DIR" and _torch_default_inductor_cache(entry.value):
-            continue
-        if name.startswith("environment variable "):
-            out.append(f"{name} set ({_short(entry.value)})")
-        elif name.startswith("logger ") and _ours(name) and entry.value != _DEFAULT_LOGGER:
-            out.append(f"{name} configured ({_short(entry.value)})")  # a logger made during the test and set up
-    return sorted(out)
+    return sorted(_diff(before, snapshot() if after is None else after).values())
 
 
 def restore(before: Snapshot, after: Snapshot | None = None) -> None:
     """Put back every value that differs from ``before``; remove variables and reset loggers that appeared."""
     after = snapshot() if after is None else after
-    for name, entry in before.items():
-        if _differs(name, entry, after.get(name)) and entry.restore is not None:
-            entry.restore(entry.value)
-    for name, entry in after.items():
+    for name in _diff(before, after):
         if name in before:
-            continue
-        if name.startswith("environment variable "):
-            entry.restore(_UNSET)
-        elif name.startswith("logger ") and _ours(name) and entry.value != _DEFAULT_LOGGER:
-            entry.restore(_DEFAULT_LOGGER)
+            if before[name].restore is not None:
+                before[name].restore(before[name].value)
+        elif name.startswith("environment variable "):
+            after[name].restore(_UNSET)
+        else:
+            after[name].restore(_DEFAULT_LOGGER)
 
 
 def _short(value, limit: int = 120) -> str:
@@ -297,33 +315,37 @@ class Leak(AssertionError):
     """Something a test or a run changed in the process and left changed."""
 
 
-def check(before: Snapshot, what: str, ignore: frozenset[str] = frozenset()) -> None:
+def check(before: Snapshot, what: str, ignore: frozenset[str] = frozenset(), entry_points: bool = False) -> None:
     """Restore what differs from ``before``; then, if anything did, raise :class:`Leak` naming each.
-    ``ignore``: entries that may change (by name)."""
+    ``ignore``: entries that may change (by name), left as they are. ``entry_points``: what a command's
+    main sets up for its process (:data:`ENTRY_POINT_SETTINGS`) is restored without failing."""
     __tracebackhide__ = True
-    found = restore_changes(before, ignore)
+    found = restore_changes(before, ignore, entry_points)
     if found:
         raise Leak(f"{what} left process-wide state changed (restored now; restore it where it is changed):\n  "
                    + "\n  ".join(found))
 
 
-def restore_changes(before: Snapshot, ignore: frozenset[str] = frozenset()) -> list[str]:
-    """Restore what differs from ``before`` (except ``ignore``) and say what it was (:func:`changes`)."""
+def restore_changes(before: Snapshot, ignore: frozenset[str] = frozenset(), entry_points: bool = False) -> list[str]:
+    """Restore what differs from ``before`` (except ``ignore``) and say what it was, leaving out what a
+    command's main sets up for its process when ``entry_points``."""
     after = {n: e for n, e in snapshot().items() if n not in ignore}
     before = {n: e for n, e in before.items() if n not in ignore}
-    found = changes(before, after)
+    found = _diff(before, after)
     if found:
         restore(before, after)
-    return found
+    return sorted(text for name, text in found.items()
+                  if not (entry_points and is_entry_point_setting(name, after.get(name))))
 
 
 @contextlib.contextmanager
 def checked(what: str):
-    """Fail ``what`` (raise :class:`Leak`) when the block leaves the process state changed."""
+    """Fail ``what`` (raise :class:`Leak`) when the block leaves the process state changed; what a command's
+    main sets up for its process on purpose is put back without failing (tests call mains in-process)."""
     __tracebackhide__ = True
     before = snapshot()
     yield before
-    check(before, what)
+    check(before, what, entry_points=True)
 
 
 # What ``trainer.train.main`` (and the other commands' mains) set up for the process they run in, on purpose:
@@ -331,6 +353,7 @@ def checked(what: str):
 # in-process puts these back after it (:func:`entry_point`); anything else a command leaves changed is a leak.
 ENTRY_POINT_SETTINGS = {
     "logger 'trainer'",  # trainer.logs.setup: the console handler on this process's stdout
+    "logger 'lm_eval'",  # trainer eval: lm-eval's console handler (tests/conftest.py resets lm-eval's flag for it)
     "warnings.showwarning",  # trainer.logs.setup: warnings as one log line
     "sys.excepthook",  # torch's init_process_group installs one that names the rank; destroying the group keeps it
     "automatic garbage collection",  # the training loop turns it off for the process's life
@@ -345,7 +368,15 @@ ENTRY_POINT_ENV = {
 }
 
 
-def is_entry_point_setting(name: str) -> bool:
+def is_entry_point_setting(name: str, entry: Entry | None = None) -> bool:
+    """Whether ``name`` is one of the entries a command's main sets up (and, given its new ``entry``, to the
+    value main gives it, where that is known)."""
+    if name == "sys.excepthook" and entry is not None:
+        # trainer.interrupt's Ctrl-C hook, or the one torch's init_process_group installs
+        return getattr(entry.value, "__qualname__", "").endswith(("quiet_keyboard_interrupt.<locals>.hook",
+                                                                   "_distributed_excepthook"))
+    if name == "warnings.showwarning" and entry is not None:
+        return getattr(entry.value, "__module__", "") == "trainer.logs"
     return name in ENTRY_POINT_SETTINGS or (
         name.startswith("environment variable ") and name.removeprefix("environment variable ") in ENTRY_POINT_ENV)
 
@@ -381,4 +412,5 @@ def module_ended(module_id: str, next_module_id: str | None) -> None:
     __tracebackhide__ = True
     if next_module_id == module_id or module_id not in _module_snapshots:
         return
-    check(_module_snapshots.pop(module_id), f"test module {module_id} (its module-scoped fixtures)")
+    check(_module_snapshots.pop(module_id), f"test module {module_id} (its module-scoped fixtures)",
+          entry_points=True)
