@@ -45,7 +45,10 @@ def call(fn, *args, nprocs: int = 1, timeout: float = 300) -> list:
                      f"{target} on {nprocs} process(es)", timeout=timeout, interval=0.02)
         finally:
             for p in procs:
-                kill_tree(p) if p.poll() is None else forget(p)  # still running: another rank failed, or time ran out
+                if p.poll() is None:  # still running: another rank failed first, or time ran out
+                    kill_tree(p)
+                else:
+                    forget(p)
         failed = [(rank, p.returncode) for rank, p in enumerate(procs) if p.returncode != 0]
         if failed:
             logs = "\n".join(f"--- rank {r} (exit {rc}):\n{(folder / f'{r}.log').read_text()[-4000:]}" for r, rc in failed)
