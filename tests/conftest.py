@@ -4,6 +4,11 @@ tests/support/processes.py registers each process a test starts; here they are k
 descendants, at the end of the session and when pytest itself is stopped by SIGTERM or SIGINT (the
 handlers run before the signal's usual effect). A SIGKILL of pytest is covered by PR_SET_PDEATHSIG,
 which processes.py sets on each child.
+
+Each test, and each test module, is checked for process-wide state it leaves changed (signal handlers,
+environment, torch's and the checkpoint saver's global flags, logging: tests/support/isolation.py); one that
+does fails, after the state is put back. ``--reverse`` runs the selected tests in reverse order (after the
+worker ordering below), to show that no test depends on what ran before it.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import sys
 
 import pytest
 
-from tests.support import processes
+from tests.support import isolation, processes
 
 _previous: dict[int, object] = {}
 
@@ -59,9 +64,15 @@ def _file_order(item) -> tuple[int, int]:
     return tier, first
 
 
+def pytest_addoption(parser):
+    parser.addoption("--reverse", action="store_true", help="run the selected tests in reverse order")
+
+
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("PYTEST_XDIST_WORKER") is not None:
         items.sort(key=_file_order)  # stable: tests keep their order within a file
+    if config.getoption("reverse"):
+        items.reverse()
 
     gpu = [item for item in items if "gpu" in item.keywords]
     if not gpu:  # no torch import (a second or two of CPU) for a session that has no GPU test
@@ -110,6 +121,24 @@ def _start_batches_first(request):
     on the core the in-process tests leave idle while those tests run."""
     if _wanted_runs(request.session):
         request.getfixturevalue("batches")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_leaves_process_state_alone(request):
+    isolation.module_started(request.node.nodeid)  # checked in pytest_runtest_teardown, after its fixtures
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    isolation.module_ended(item.nodeid.split("::")[0],
+                           nextitem.nodeid.split("::")[0] if nextitem is not None else None)
+
+
+@pytest.fixture(autouse=True)
+def _test_leaves_process_state_alone(request):
+    with isolation.checked(request.node.nodeid):
+        yield
 
 
 @pytest.fixture(autouse=True)

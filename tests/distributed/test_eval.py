@@ -1,5 +1,5 @@
 """Evaluation spread over ranks: ``[eval]`` under FSDP, HSDP, tensor and pipeline parallel (the parity runs of
-test_parallel.py and test_pipeline.py evaluate at step 4, IN_TRAINING_EVAL) logs the scores ``trainer eval``
+tests/support/parity.py evaluate at step 4, IN_TRAINING_EVAL) logs the scores ``trainer eval``
 gives on that step's checkpoint in one process, and close to a one-process run's scores; ``trainer eval``
 under torchrun (NGPU=2) equals one process."""
 
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,10 +16,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 pytest.importorskip("lm_eval")
 
-from tests.distributed import test_parallel, test_pipeline  # noqa: E402,F401  (they declare the runs read here)
 from tests.support.batches import spec  # noqa: E402
 from tests.support.launch import ROOT  # noqa: E402
 from tests.support.parity import EVAL_TASKS, IN_TRAINING_EVAL, SINGLE, STEPS  # noqa: E402
+from tests.support.processes import run  # noqa: E402
 from torchtitan_ext.evaluation.callback import flatten_results  # noqa: E402
 from torchtitan_ext.lm_eval_model import main as eval_main  # noqa: E402
 
@@ -90,9 +89,8 @@ def test_trainer_eval_on_two_processes_equals_one(batches, tmp_path):
     env = {**os.environ, "NGPU": "2", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    proc = subprocess.run([sys.executable, "-m", "trainer.cli", "eval", "--model_args", f"checkpoint={dump},step=4",
-                           *OFFLINE, "--output_path", str(tmp_path / "two")], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    proc = run([sys.executable, "-m", "trainer.cli", "eval", "--model_args", f"checkpoint={dump},step=4", *OFFLINE,
+                "--output_path", str(tmp_path / "two")], env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "2 processes (NGPU=2) under torchrun" in proc.stdout + proc.stderr
     assert results_of(tmp_path / "two") == one

@@ -8,25 +8,7 @@ are batched: one torchrun start per world size (tests/support/batches.py).
 import pytest
 
 from tests.support.batches import spec
-from tests.support.parity import IN_TRAINING_EVAL, SINGLE, STEPS, relative_diffs
-
-# name: (processes, local batch size so that local x data-parallel degree = 8, extra args)
-LAYOUTS = {
-    "fsdp2": (2, 4, []),
-    "fsdp4": (4, 2, []),
-    "hsdp2x2": (4, 2, ["--parallelism.data_parallel_replicate_degree", "2"]),
-    "tp2": (2, 8, ["--parallelism.tensor_parallel_degree", "2"]),
-    "fsdp2_tp2": (4, 4, ["--parallelism.tensor_parallel_degree", "2"]),
-    "fsdp2_ac_full": (2, 4, ["--activation_checkpoint.mode", "full"]),
-    "fsdp2_ac_selective_op": (2, 4, ["--activation_checkpoint.mode", "selective"]),
-    "fsdp2_ac_selective_every2": (2, 4, ["--activation_checkpoint.mode", "selective",
-                                         "--activation_checkpoint.selective_ac_option", "2"]),
-}
-# These also evaluate at step 4 (tests/distributed/test_eval.py).
-EVALUATED = ("fsdp2", "hsdp2x2", "tp2")
-for _name, (_nproc, _batch, _extra) in LAYOUTS.items():
-    spec(f"layout_{_name}", _nproc, *STEPS, "--training.local_batch_size", str(_batch), *_extra,
-         *(IN_TRAINING_EVAL if _name in EVALUATED else []))
+from tests.support.parity import LAYOUTS, SINGLE, STEPS, relative_diffs
 
 
 @pytest.mark.slow

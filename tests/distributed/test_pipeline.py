@@ -4,16 +4,8 @@ torchrun start per world size)."""
 import pytest
 
 from tests.support.batches import spec
-from tests.support.parity import IN_TRAINING_EVAL, SINGLE, STEPS, relative_diffs
+from tests.support.parity import PP2, SINGLE, STEPS, relative_diffs
 from trainer.parallel.config import SCHEDULES
-
-PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]
-
-EVALUATED = "1F1B"  # also evaluates at step 4 (tests/distributed/test_eval.py)
-for _schedule in SCHEDULES:
-    spec(f"pp2_{_schedule}", 2, *STEPS, "--training.local_batch_size", "8", *PP2,
-         "--parallelism.pipeline_parallel_schedule", _schedule, *(IN_TRAINING_EVAL if _schedule == EVALUATED else []))
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", [pytest.param(s, marks=pytest.mark.runs(SINGLE, f"pp2_{s}")) for s in SCHEDULES])

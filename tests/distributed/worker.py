@@ -12,6 +12,13 @@ writes ``{"rc": exit code}`` to ``result``. ``save_batch`` also writes the run's
 step 1 trains on). ``main`` ends a run by destroying the process group; here the group stays for the next
 run and is destroyed after the last. An exception in a run ends the worker (its collectives may be
 half-done), with the traceback in the run's result.
+
+Each run starts from the same process state (tests/support/isolation.py): what ``main`` sets up for its
+process on purpose (console logging, the flight recorder's variables, determinism flags) is put back after
+it, and the shared group's collective timeout is set back to the run's own ``comm.init_timeout_seconds``
+(what a fresh start would give it: the last run shortened it to its ``comm.train_timeout_seconds``).
+Anything else a run leaves changed on any rank (a signal handler, a variable, torch's serialization or
+Inductor settings, ...) is put back too, and fails that run (``{"rc": "leaked", "error": what}``).
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from tests.support import isolation
 
 WAIT_S = 1800
 
@@ -88,6 +97,29 @@ def _save_batch(argv: list[str], path: str) -> None:
     torch.save({"input": batch["input"].clone(), "labels": batch["labels"].clone()}, path)
 
 
+# The default process group is made by the first run and kept for the others (see above).
+SHARED = frozenset({"torch.distributed default process group"})
+
+
+def _fresh_timeout(argv: list[str]) -> None:
+    """The shared groups' collective timeout as a fresh start of this run would have it."""
+    from trainer.config import load_config
+    from trainer.setup import set_train_timeout
+
+    if dist.is_initialized():
+        set_train_timeout(load_config(argv, env={}).comm.init_timeout_seconds)
+
+
+def _leaks(before: isolation.Snapshot, rank: int) -> list[str]:
+    """What the run left changed on any rank (restored here), as ``rank R: what`` lines."""
+    found = [f"rank {rank}: {c}" for c in isolation.restore_changes(before, SHARED)]
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return found
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, found)
+    return [line for lines in every for line in lines]
+
+
 def main() -> int:
     from trainer import train
 
@@ -104,18 +136,25 @@ def main() -> int:
                 _remove(spec.get("remove", []), local_rank)
                 if spec.get("save_batch") and rank == 0:
                     _save_batch(spec["argv"], spec["save_batch"])
+                _fresh_timeout(spec["argv"])
+                before = isolation.snapshot()
                 with open(log, "w") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
                     try:
-                        rc = train.main(spec["argv"])
+                        with isolation.entry_point():
+                            rc = train.main(spec["argv"])
                     finally:
-                        gc.enable()  # the training loop disables automatic GC
                         gc.collect()
+                leaks = _leaks(before, rank)
             except BaseException:
                 if rank == 0:
                     _write_result(spec["result"], {"rc": "exception", "error": traceback.format_exc()})
                 raise
             if rank == 0:
-                _write_result(spec["result"], {"rc": rc, "seconds": time.monotonic() - t0})
+                result = {"rc": rc, "seconds": time.monotonic() - t0}
+                if leaks:
+                    result.update(rc="leaked", error="the run left process-wide state changed (restored for the "
+                                  "next run; restore it where it is changed):\n  " + "\n  ".join(leaks))
+                _write_result(spec["result"], result)
     finally:
         dist.destroy_process_group = destroy
     if dist.is_initialized():

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 
 from tests.support.checkpoints import CKPT, COMMON, STEPS, STRAIGHT, assert_same, batch
 from tests.support.launch import read_metrics, run_train, start_train
-from tests.support.processes import kill_tree
+from tests.support.processes import kill_tree, run
 from trainer.checkpoint.layout import scan_folder, validate_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -70,8 +69,7 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
     path.mkdir(parents=True, exist_ok=True)
     if os.geteuid() != 0 or shutil.which("mount") is None:
         return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
+    return run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], timeout=60).returncode == 0
 
 
 def test_disk_full(tmp_path):
@@ -93,4 +91,4 @@ def test_disk_full(tmp_path):
         assert max(records(dump)) == 4
     finally:
         if mounted:
-            subprocess.run(["umount", str(dump)], check=False)
+            run(["umount", str(dump)], timeout=60)

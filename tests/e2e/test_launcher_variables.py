@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.processes import run
+
 ROOT = Path(__file__).resolve().parents[2]
 CASES = {
     "NNODES=0": ({"NNODES": "0"}, "NNODES=0 must be a positive whole number"),
@@ -22,8 +24,8 @@ CASES = {
 
 def dry(env: dict[str, str]) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PBS_", "NNODES", "NODE_RANK"))}
-    return subprocess.run([str(ROOT / "run_train.sh")], env={**clean, "RUN_TRAIN_DRY": "1", "NGPU": "1", **env},
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    return run([str(ROOT / "run_train.sh")], env={**clean, "RUN_TRAIN_DRY": "1", "NGPU": "1", **env}, timeout=60,
+               cwd=ROOT)
 
 
 @pytest.mark.parametrize("case", list(CASES))

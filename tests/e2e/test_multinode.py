@@ -222,7 +222,7 @@ def two_nodes(root: Path, name: str, args: list[str], env: dict[str, str] | None
 
 
 def sh(*cmd: str) -> subprocess.CompletedProcess:
-    return subprocess.run(list(cmd), capture_output=True, text=True, timeout=60)
+    return run_process(list(cmd), timeout=60)
 
 
 class NetnsPair:

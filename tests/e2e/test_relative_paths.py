@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.support.processes import run
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -26,8 +28,7 @@ def launch(cwd: Path, *args: str, env: dict[str, str] | None = None) -> subproce
     full = {**os.environ, "PYTHON": sys.executable, "NGPU": "1", **(env or {})}
     full.pop("CONFIG_FILE", None)
     full.update(env or {})
-    return subprocess.run([str(ROOT / "run_train.sh"), *args], cwd=cwd, env=full, capture_output=True, text=True,
-                          timeout=300)
+    return run([str(ROOT / "run_train.sh"), *args], cwd=cwd, env=full, timeout=300)
 
 
 def test_a_relative_config_file_is_the_users_not_the_repositorys(tmp_path):
@@ -40,9 +41,8 @@ def test_a_relative_config_file_is_the_users_not_the_repositorys(tmp_path):
 
 def test_config_toml_records_the_absolute_path(tmp_path):
     user_copy(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "trainer.config", "--job.config_file",
-                           "train_configs/debug_model.toml", "--training.steps", "3"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+    proc = run([sys.executable, "-m", "trainer.config", "--job.config_file", "train_configs/debug_model.toml",
+                "--training.steps", "3"], cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert f'config_file = "{tmp_path / "train_configs" / "debug_model.toml"}"' in proc.stdout
 

@@ -6,7 +6,6 @@ processes are started through tests/support/processes.py, so none outlives the t
 from __future__ import annotations
 
 import contextlib
-import gc
 import io
 import json
 import os
@@ -14,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.support import isolation
 from tests.support.processes import free_port, popen, run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,20 +86,17 @@ def start_torchrun(nproc: int, specs: list[dict], folder: Path, name: str | None
 
 def train_in_process(dump: Path, *args: str, monkeypatch, config: Path = DEBUG_CONFIG,
                      fast: bool = True) -> tuple[int, str]:
-    """``trainer.train.main`` in this process (world size 1, gloo); returns (exit code, console output)."""
+    """``trainer.train.main`` in this process (world size 1, gloo); returns (exit code, console output).
+    What main sets up for its process on purpose (console logging, the flight recorder's variables, ...:
+    tests/support/isolation.py) is put back afterwards; anything else it leaves changed fails the test."""
     from trainer.train import main
 
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
-        monkeypatch.setenv(k, v)
     # Not under torchrun: without LOCAL_RANK, main() leaves this process's parent-death signal alone.
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        try:
-            rc = main(["--job.config_file", str(config), "--job.dump_folder", str(dump), *(FAST if fast else []),
-                       *args])
-        finally:
-            gc.enable()  # the training loop disables automatic GC
+    with contextlib.redirect_stdout(out), isolation.entry_point():
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        rc = main(["--job.config_file", str(config), "--job.dump_folder", str(dump), *(FAST if fast else []), *args])
     return rc, out.getvalue()
 
 

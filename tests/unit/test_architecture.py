@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.support.config_reads import unread_keys
 from tests.support.imports import (
     PACKAGES,
     REGISTRY,
@@ -17,6 +18,7 @@ from tests.support.imports import (
     private_imports,
     unresolved_imports,
 )
+from tests.support.suite_rules import cross_test_imports, process_starts, suite_files
 
 MAX_MODULE_LINES = 700
 MAX_FUNCTION_LINES = 80
@@ -110,30 +112,66 @@ from trainer.compat import REFUSED  # noqa: E402
 READ_BY_PARSER |= set(REFUSED)
 
 
-def attribute_reads(exclude: set[str]) -> set[str]:
-    names = set()
-    for path in modules().values():
-        if str(path.relative_to(ROOT)) in exclude:
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute):
-                names.add(node.attr)
-            elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr")
-                  and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)):
-                names.add(node.args[1].value)
-    return names
+def one_value_keys(keys) -> set[str]:
+    """Keys whose type allows one value (``optimizer.name: Literal["AdamW"]``): the parser refuses any
+    other, which is all such a key does until a second value exists."""
+    import typing
+
+    from trainer.config.keys import field_types
+
+    return {k for k, (cls, f) in keys.items()
+            if typing.get_origin(t := field_types(cls)[f.name]) is typing.Literal and len(typing.get_args(t)) == 1}
 
 
-def unread_keys(keys, names: set[str]) -> list[str]:
-    return [k for k in keys if k not in READ_BY_PARSER and k.rsplit(".", 1)[1] not in names]
+def code_paths() -> list[Path]:
+    return [p for p in modules().values() if str(p.relative_to(ROOT)) not in CONFIG_MODULES]
 
 
 def test_every_config_key_is_read_by_the_code():
-    """Each key's name is read as an attribute somewhere outside the config modules (a key nothing reads
-    is a promise the code does not keep)."""
+    """Each key is read whole (``section.key``, tests/support/config_reads.py) somewhere outside the config
+    modules (a key nothing reads is a promise the code does not keep)."""
     from trainer.config import leaf_keys
 
-    names = attribute_reads(CONFIG_MODULES)
-    assert unread_keys(["compile.no_such_key_anywhere"], names) == ["compile.no_such_key_anywhere"]
-    assert unread_keys(leaf_keys(), names) == []
+    keys = leaf_keys()
+    unread = [k for k in unread_keys(keys, code_paths()) if k not in READ_BY_PARSER | one_value_keys(keys)]
+    assert unread == []
 
+
+def test_a_key_is_matched_whole(tmp_path):
+    """A namesake in another section, or in code that is not handed the config, is no read."""
+    from trainer.config import leaf_keys
+
+    keys = {k: v for k, v in leaf_keys().items() if k in ("training.steps", "checkpoint.interval", "eval.limit")}
+    code = tmp_path / "code.py"
+    code.write_text("def f(config, args, cfg):\n    s = config.training\n    return s.steps, args.limit, cfg.interval\n")
+    assert unread_keys(keys, [code]) == ["checkpoint.interval", "eval.limit"]
+    code.write_text("def f(config):\n    for name in ('interval', 'x'):\n        getattr(config.checkpoint, name)\n")
+    assert unread_keys(keys, [code]) == ["training.steps", "eval.limit"]
+
+
+def test_suite_rules_see_what_they_forbid(tmp_path):
+    root = tmp_path / "tests"
+    files = {"unit/test_a.py": "import subprocess as sp\nfrom tests.unit import test_b\nsp.run(['true'])\n",
+             "unit/test_b.py": "import os, torch.multiprocessing as mp\nfrom tests.support import helper\n"
+                               "os.fork()\nmp.start_processes(f)\nos.path.join('a')\n",
+             "distributed/test_c.py": "from concurrent.futures import ProcessPoolExecutor\nimport tests.e2e.test_d\n",
+             "support/processes.py": "import subprocess\nsubprocess.Popen(['true'])\n", "support/helper.py": ""}
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    paths = suite_files(root)
+    assert process_starts(paths, allowed=root / "support" / "processes.py") == [
+        "test_c.py:1: from concurrent.futures import ProcessPoolExecutor", "test_a.py:3: subprocess.run",
+        "test_b.py:3: os.fork", "test_b.py:4: torch.multiprocessing.start_processes"]
+    assert cross_test_imports(paths, root) == ["tests.distributed.test_c imports tests.e2e.test_d",
+                                               "tests.unit.test_a imports tests.unit.test_b"]
+
+
+def test_every_process_a_test_starts_goes_through_processes_py():
+    """So that it dies with the session whatever ends it (tests/support/processes.py)."""
+    assert process_starts(suite_files()) == []
+
+
+def test_test_modules_never_import_each_other():
+    """What two test modules share lives in tests/support/."""
+    assert cross_test_imports(suite_files()) == []

@@ -11,8 +11,8 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.support import children
 from trainer.checkpoint.layout import MARKER, inspect_checkpoint, locate_folder, scan_folder
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.offline import CheckpointNotFound, find_checkpoint
@@ -57,12 +57,12 @@ def test_one_scanner_one_naming_rule(tmp_path):
     assert find_checkpoints(ckpt) == [2]
 
 
-def _agree_worker(rank: int, world: int, port: int, errors: list, out) -> None:
+def _agree_worker(rank: int, world: int, port: int, errors: list) -> tuple:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         comm = Collectives(dist.new_group(backend="gloo"))
-        out.put((rank, comm.agree(errors[rank]), comm.agree(None)))
+        return rank, comm.agree(errors[rank]), comm.agree(None)
     finally:
         dist.destroy_process_group()
 
@@ -71,11 +71,8 @@ def test_all_ranks_agree_on_failure_reasons():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
     errors = ["z: disk full", None, "a: other"]
-    mp.start_processes(_agree_worker, args=(3, port, errors, out), nprocs=3, start_method="spawn")
-    results = sorted(out.get() for _ in range(3))
+    results = sorted(children.call(_agree_worker, 3, port, errors, nprocs=3))
     assert [r[0] for r in results] == [0, 1, 2]
     for _, failed, succeeded in results:  # the same sorted distinct reasons on every rank
         assert failed == ["a: other", "z: disk full"] and succeeded == []

@@ -5,12 +5,12 @@ runs through the config even when imports made only for type annotations count."
 from __future__ import annotations
 
 import dataclasses
-import subprocess
 import sys
 import typing
 
 import pytest
 
+from tests.support import processes
 from tests.support.launch import ROOT
 from torchtitan_ext.config import ALIASES, ExtJobConfig
 from torchtitan_ext.stability.config import Stability
@@ -27,8 +27,8 @@ LAYER_CONFIG_MODULES = ["trainer.config", "trainer.models.config", "trainer.opti
 
 def test_import_trainer_config_loads_no_torch():
     """The launcher's pre-flight imports trainer.config: -X importtime lists every module it loads."""
-    out = subprocess.run([sys.executable, "-X", "importtime", "-c", "import trainer.config"], cwd=ROOT,
-                         capture_output=True, text=True, check=True)
+    out = processes.run([sys.executable, "-X", "importtime", "-c", "import trainer.config"], cwd=ROOT)
+    assert out.returncode == 0, out.stderr
     loaded = [line.split("|")[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")]
     assert "trainer.config.validate" in loaded  # the list is the real one
     assert not [m for m in loaded if m == "torch" or m.startswith("torch.")]
@@ -39,7 +39,8 @@ def test_a_layer_config_module_loads_no_torch(module):
     """Through its package __init__ too: a package __init__ stays light."""
     code = f"import sys, {module}; from trainer.config import validate, load_config; " \
            "validate(load_config([], env={}), 1); print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    out = processes.run([sys.executable, "-c", code], cwd=ROOT)
+    assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
 
 

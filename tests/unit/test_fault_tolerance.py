@@ -5,11 +5,11 @@ and DiLoCo's model fragments. The runs themselves are in tests/distributed/test_
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
+from tests.support import processes
 from tests.support.launch import DEBUG_CONFIG, ROOT
 from trainer.config import ConfigError, derive, load_config, validate
 from trainer.fault_tolerance import config as ft_config
@@ -57,7 +57,8 @@ def test_disabled_section_checks_nothing_and_imports_no_torchft():
     code = ("import sys; from trainer.train import Trainer; from trainer.config import load_config, validate; "
             f"validate(load_config(['--job.config_file', {str(DEBUG_CONFIG)!r}], env={{}}), 1); "
             "assert 'torchft' not in sys.modules, 'torchft imported'")
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+    out = processes.run([sys.executable, "-c", code], cwd=ROOT)
+    assert out.returncode == 0, out.stderr
 
 
 def test_missing_torchft_is_one_line_naming_the_install(monkeypatch):

@@ -8,11 +8,13 @@ import sys
 
 import pytest
 
+from tests.support import processes
+
 SETUP = "import logging; logging.basicConfig(level=logging.WARNING)\n"
 
 
 def run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", SETUP + code], capture_output=True, text=True, timeout=300)
+    return processes.run([sys.executable, "-c", SETUP + code], timeout=300)
 
 
 def test_torchao_import_is_quiet_and_restores_the_loggers():

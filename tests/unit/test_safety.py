@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 
@@ -14,6 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from tests.support import processes
 from trainer.checkpoint import integrity
 from trainer.checkpoint.layout import MARKER, MOVED_ASIDE, commit, inspect_checkpoint, scan_folder
 from trainer.preemption import PreemptionHandler
@@ -99,8 +99,9 @@ def test_run_lock_refuses_then_takes_over_stale(tmp_path):
     lock.release()
     assert not (tmp_path / LOCK_FILE).exists()
     # A dead process on this host: taken over.
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead = processes.popen([sys.executable, "-c", "pass"])
     dead.wait()
+    processes.forget(dead)
     (tmp_path / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid,
                                                   "heartbeat": time.time()}))
     RunLock(tmp_path, stale_after_s=60).acquire().release()

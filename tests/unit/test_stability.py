@@ -12,7 +12,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from torchtitan_ext.stability.callbacks import build_stability_callbacks
 from torchtitan_ext.stability.config import normalize_ranges
@@ -22,6 +21,7 @@ from torchtitan_ext.stability.guard import StepGuard, StopTraining
 from torchtitan_ext.stability.rewarmup import LRRewarmup
 from torchtitan_ext.stability.skip import SkipRanges
 from torchtitan_ext.stability.zloss import ZLoss, z_loss
+from tests.support import children
 from tests.support.models import seeded_model
 from trainer.callbacks import CallbackList
 from trainer.callbacks import RunView
@@ -313,7 +313,6 @@ def _free_port() -> int:
 
 
 def _vocab_sharded_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)  # forked: never enter the parent's OpenMP pool
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -340,9 +339,7 @@ def _vocab_sharded_worker(rank: int, world: int, port: int, out_dir: str) -> Non
 
 def test_z_loss_on_vocabulary_sharded_dtensor_logits(tmp_path):
     """Loss parallel: logits sharded on the vocabulary over 2 ranks give the same z-loss and gradients."""
-    # fork: the children inherit the imported torch (CPU only, nothing initialised that forking breaks).
-    mp.start_processes(_vocab_sharded_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True,
-                       start_method="fork")
+    children.call(_vocab_sharded_worker, 2, _free_port(), str(tmp_path), nprocs=2)
     for rank in (0, 1):
         value, expected, grads_match = torch.load(tmp_path / f"{rank}.pt")
         assert value == pytest.approx(expected, rel=1e-5)

@@ -10,12 +10,11 @@ them.
 from __future__ import annotations
 
 import ast
-import concurrent.futures
-import multiprocessing
 from pathlib import Path
 
 import pytest
 
+from tests.support import children
 from tests.support.launch import DEBUG_CONFIG, ROOT
 
 TRAIN = ROOT / "trainer" / "train.py"
@@ -84,8 +83,8 @@ COUNTED = {"trainer.step": ["forward_backward", "clip_and_step", "clip_grad_norm
            "trainer.setup": ["build_model_parts"]}
 
 
-def _simulate_counting(overrides: list[str], world_size: int) -> dict[str, int]:
-    """In a forked child: wrap the shared functions with counters, simulate rank 0's step, return the counts."""
+def _simulate_counting(_rank: int, overrides: list[str], world_size: int) -> dict[str, int]:
+    """In a child process: wrap the shared functions with counters, simulate rank 0's step, return the counts."""
     import dataclasses
     import importlib
 
@@ -123,11 +122,10 @@ def _simulate_counting(overrides: list[str], world_size: int) -> dict[str, int]:
 
 
 def _in_child(overrides: list[str], world_size: int) -> dict[str, int]:
-    # spawn, not fork: by now the test process has threads (loaders, writers) that a forked child would copy
-    # mid-operation (it crashed the child under load).
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-        return pool.submit(_simulate_counting, overrides, world_size).result()
+    # A fresh interpreter, not a fork: by now the test process has threads (loaders, writers) that a forked
+    # child would copy mid-operation (it crashed the child under load).
+    [counts] = children.call(_simulate_counting, overrides, world_size)
+    return counts
 
 
 def test_a_simulated_step_runs_the_shared_functions():
