@@ -3,6 +3,8 @@
 # gloo on CPU) and tests/e2e (through run_train.sh). Installs the project with its [dev] extras into .venv
 # on the first run. Extra arguments go to pytest, e.g. ./run_tests.sh tests/unit (the quick loop) or
 # ./run_tests.sh -k checkpoint -x. Runs on two pytest workers (TEST_WORKERS=1 for one).
+# TORCH_VERSION=2.14.1 ./run_tests.sh ... runs it under that torch release instead of the pinned one, in an
+# environment of its own (.venv-torch2.14.1, made on the first such run: a multi-GB download).
 set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/setup_env.sh

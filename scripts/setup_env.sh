@@ -1,6 +1,8 @@
 # Sourced by run_train.sh and run_tests.sh. Sets PYTHON to an interpreter that has the project and its
 # dependencies, creating .venv and installing into it on the first run.
 #   ensure_env EXTRAS MODULES   e.g. ensure_env "" "torch torchdata"  or  ensure_env "[dev]" "pytest"
+# TORCH_VERSION=X (e.g. 2.14.1) uses its own environment, .venv-torchX, with torch==X and the same other
+# packages, so a newer torch can be tried without touching .venv (which keeps the pinned torch).
 # pip's output goes to the log; the console gets a line at most every 10 s saying what pip is at, so a first
 # install (a minute or more) visibly progresses. Its status is pip's (pipefail).
 _install_progress() {
@@ -20,36 +22,48 @@ _install_progress() {
 }
 
 ensure_env() {
-    local extras="$1" modules="$2" root
+    local extras="$1" modules="$2" root venv torch_req=()
     root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-    if [ -z "${PYTHON:-}" ]; then
-        if [ -x "$root/.venv/bin/python" ]; then PYTHON="$root/.venv/bin/python"; else PYTHON=python3; fi
+    venv="$root/.venv"
+    local check="import importlib.metadata as m, importlib.util as u; m.version('llm-trainer')"
+    if [ -n "${TORCH_VERSION:-}" ]; then
+        # The version asked for decides the interpreter (a PYTHON set for .venv would test the pinned torch).
+        venv="$root/.venv-torch$TORCH_VERSION"
+        PYTHON="$venv/bin/python"
+        torch_req=("torch==$TORCH_VERSION")
+        check="$check; assert m.version('torch').split('+')[0] == '$TORCH_VERSION', 'torch'"
+    elif [ -z "${PYTHON:-}" ]; then
+        if [ -x "$venv/bin/python" ]; then PYTHON="$venv/bin/python"; else PYTHON=python3; fi
     fi
     # find_spec only locates the packages (no import): the check costs milliseconds, not seconds.
-    local check="import importlib.metadata as m, importlib.util as u; m.version('llm-trainer')"
     for mod in torch torchdata torchao tokenizers tensorboard safetensors $modules; do
         check="$check; assert u.find_spec('$mod'), '$mod'"
     done
     if "$PYTHON" -c "$check" >/dev/null 2>&1; then return 0; fi
 
-    echo "[setup] installing the project into .venv (log: .venv/install.log)..."
-    [ -x "$root/.venv/bin/python" ] || python3 -m venv "$root/.venv" || return 1
-    PYTHON="$root/.venv/bin/python"
+    local name=${venv##*/}
+    echo "[setup] installing the project into $name (log: $name/install.log)..."
+    [ -x "$venv/bin/python" ] || python3 -m venv "$venv" || return 1
+    PYTHON="$venv/bin/python"
     local constraints=()
-    # No GPU: pin the CPU build of torch so pip never pulls a multi-GB CUDA build.
-    if ! command -v nvidia-smi >/dev/null 2>&1; then constraints=(-c "$root/constraints.txt"); fi
+    # No GPU: pin the CPU build of torch so pip never pulls a multi-GB CUDA build. A TORCH_VERSION is
+    # installed as asked (a release without a CPU build, e.g. 2.14.1, comes as its CUDA build, which runs
+    # on CPU too).
+    if [ -z "${TORCH_VERSION:-}" ] && ! command -v nvidia-smi >/dev/null 2>&1; then
+        constraints=(-c "$root/constraints.txt")
+    fi
     # pip byte-compiles what it installs on one core; compileall does the same on every core afterwards (the
     # compiled files are what makes importing torch and the rest take seconds, not three times as long).
     if ! { "$PYTHON" -m pip install --upgrade pip \
-            && "$PYTHON" -m pip install --no-compile "${constraints[@]}" -e "$root$extras"; } \
-            2>&1 | _install_progress "$root/.venv/install.log"; then
-        tail -n 30 "$root/.venv/install.log"
-        echo "[setup] installation failed; full log in .venv/install.log" >&2
+            && "$PYTHON" -m pip install --no-compile "${constraints[@]}" "${torch_req[@]}" -e "$root$extras"; } \
+            2>&1 | _install_progress "$venv/install.log"; then
+        tail -n 30 "$venv/install.log"
+        echo "[setup] installation failed; full log in $name/install.log" >&2
         return 1
     fi
     echo "[setup] byte-compiling the installed packages..."
     # (a few files in some packages are not Python 3 and fail to compile, as they do under pip: not an error)
     "$PYTHON" -m compileall -q -j 0 "$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
-        >>"$root/.venv/install.log" 2>&1 || true
+        >>"$venv/install.log" 2>&1 || true
     echo "[setup] done."
 }

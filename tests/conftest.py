@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from tests.support import isolation, processes
+from tests.support import isolation, processes, timeouts
 
 _previous: dict[int, object] = {}
 
@@ -40,13 +40,35 @@ def pytest_configure(config):
             _previous[signum] = signal.signal(signum, _on_signal)
         except ValueError:  # not the main thread
             pass
+    timeouts.install(config)
 
 
 def pytest_unconfigure(config):
+    timeouts.uninstall()
     processes.kill_all()
     for signum, previous in _previous.items():
         signal.signal(signum, previous)
     _previous.clear()
+
+
+# Each phase of a test has a time limit (tests/support/timeouts.py): a hung test fails with the stacks of what
+# it waits for instead of hanging the suite.
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    with timeouts.limited(item, "setup"):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    with timeouts.limited(item, "call"):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    with timeouts.limited(item, "teardown", last=nextitem is None):
+        yield
 
 
 # Under pytest-xdist each worker takes whole files as it becomes free: the longest files go first (so no

@@ -1,11 +1,15 @@
 """The processes a test starts, and their trees: start (registered, dying with the test process), wait,
-kill.
+kill, and their stacks when a test hangs.
 
 Every process started here is registered: :func:`kill_all` (called at the end of the session and from the
 SIGTERM/SIGINT handlers that tests/conftest.py installs) kills each one with every process below it. Each
 also gets ``PR_SET_PDEATHSIG`` (Linux): it is killed when the test process dies, even by SIGKILL. The
 launcher (run_train.sh) execs torchrun's agent, and the agent's workers die with the agent
 (trainer.preemption.die_with_parent), so no run outlives pytest.
+
+Once :func:`collect_stacks_in` names a folder, every Python process started here (and every one below it)
+writes its threads' stacks there on SIGUSR1 (tests/support/stacks/sitecustomize.py); :func:`dump_stacks`
+asks for them and copies them out (tests/support/timeouts.py, when a test runs past its limit).
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ import time
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
+_SITECUSTOMIZE = Path(__file__).with_name("stacks")  # the folder holding sitecustomize.py
 
 _started: dict[int, subprocess.Popen] = {}
 _lock = threading.Lock()
+_stacks_folder: Path | None = None
 
 
 def _die_with_test_process() -> None:
@@ -40,6 +46,11 @@ def popen(cmd: list[str], **kwargs) -> subprocess.Popen:
     """``subprocess.Popen`` in a session of its own, registered for :func:`kill_all` and killed when this
     process dies. Start it from the main thread: the death signal follows the thread that started it."""
     kwargs.setdefault("start_new_session", True)
+    if _stacks_folder is not None:
+        env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
+        env["PYTHONPATH"] = os.pathsep.join([str(_SITECUSTOMIZE), *filter(None, [env.get("PYTHONPATH")])])
+        env["TEST_STACKS_DIR"] = str(_stacks_folder)
+        kwargs["env"] = env
     proc = subprocess.Popen(cmd, preexec_fn=_die_with_test_process, **kwargs)
     with _lock:
         _started[proc.pid] = proc
@@ -126,6 +137,37 @@ def kill_all() -> None:
     for p, _ in trees:
         with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(timeout=10)
+
+
+def collect_stacks_in(folder: Path | None) -> None:
+    """Processes started from now on write their stacks to ``folder/<pid>.txt`` on SIGUSR1 (None: stop)."""
+    global _stacks_folder
+    _stacks_folder = folder
+
+
+def dump_stacks(out, wait: float = 2.0) -> None:
+    """Write to ``out`` the stacks of every Python process in the registered trees: each is sent SIGUSR1,
+    which its faulthandler answers from C at once (even while a thread holds the GIL)."""
+    if _stacks_folder is None:
+        return
+    with _lock:
+        roots = [p.pid for p in _started.values()]
+    asked = []
+    for pid in [p for root in roots for p in (root, *descendants(root))]:
+        if (_stacks_folder / f"{pid}.txt").exists() and alive(pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGUSR1)
+                asked.append(pid)
+    if asked:
+        time.sleep(wait)
+    for pid in asked:
+        try:
+            cmd = (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            cmd = "?"
+        stacks = (_stacks_folder / f"{pid}.txt").read_text(errors="replace").strip()
+        out.write(f"\n--- stacks of process {pid} ({cmd.strip()[:300]}) ---\n{stacks or '(none written)'}\n")
+    out.flush()
 
 
 def wait_for(predicate, what: str, timeout: float = 300, proc: subprocess.Popen | None = None,

@@ -91,8 +91,10 @@ def prepare(source: str | SourceSpec, output: str | os.PathLike, tokenizer, *, w
     """Tokenize `source` (a source spec such as "jsonl:/data/*.jsonl") into the folder `output`.
 
     `workers` processes tokenize pieces of the input in parallel (default: all CPUs; 0 or 1: in this
-    process). Returns the meta.json contents. Raises ConfigError for a bad source or an existing output
-    folder (unless overwrite).
+    process). They start from a fresh interpreter, not as forks: the source and the tokenizer must pickle
+    (the bundled tokenizers do), and a script that calls this with several workers guards its top level
+    with ``if __name__ == "__main__":``, as Python's multiprocessing requires. Returns the meta.json
+    contents. Raises ConfigError for a bad source or an existing output folder (unless overwrite).
     """
     from trainer.errors import ConfigError
     from trainer.data.loader import tokenizer_fingerprint
@@ -166,16 +168,24 @@ def _run_pieces(src, tokenizer, tasks: list[tuple], tmp_dir: Path, workers: int,
                 results[r["piece"]] = r
                 bar.update(r["work"])
         else:
-            # fork shares the tokenizer with the children without pickling it (where available).
-            methods = multiprocessing.get_all_start_methods()
-            ctx = multiprocessing.get_context("fork" if "fork" in methods else None)
-            with ctx.Pool(workers, initializer=_init_worker, initargs=(src, tokenizer, str(tmp_dir))) as pool:
+            pool = _pool_context().Pool(workers, initializer=_init_worker, initargs=(src, tokenizer, str(tmp_dir)))
+            with pool:
                 for r in pool.imap_unordered(_tokenize_piece, tasks):
                     results[r["piece"]] = r
                     bar.update(r["work"])
     finally:
         bar.close()
     return results
+
+
+def _pool_context():
+    """Workers start from a fresh interpreter (forkserver, else spawn), never as a fork of this process: a
+    fork inherits its signal handlers (one that returns on SIGTERM, such as the trainer's preemption
+    handler, kept an idle worker alive through Pool.terminate, which then waited for it forever), the
+    locks its other threads held at that moment, and its other state. The source and the tokenizer are
+    pickled to each worker once; the time that costs is within the noise of a tokenizing run."""
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
 
 
 def _assemble_units(src, tasks: list[tuple], results: dict[int, dict], out: Path) -> tuple[dict, list[dict]]:
