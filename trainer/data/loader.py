@@ -37,12 +37,12 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from trainer.data.prefetch import Prefetcher
-from trainer.errors import ConfigError, DataStateError
+from trainer.errors import ConfigError, DataError, DataStateError
 from trainer.data.checks import batch_geometry
 from trainer.fingerprint import split_fingerprint, window_fingerprint
 from trainer.data.pipeline import STAT_KEYS, DataPlan, ShardStream, Window, shard_state
-from trainer.data.readers import build_source
-from trainer.data.sources import DataError, SourceOptions, SourceSpec, training_specs, validation_spec
+from trainer.data.source_base import SourceOptions, SourceSpec
+from trainer.data.sources import build_source, training_specs, validation_spec
 
 logger = logging.getLogger(__name__)
 

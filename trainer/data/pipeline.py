@@ -21,10 +21,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from trainer.data.sources import (
-    BLOCK_BYTES, EMPTY, MALFORMED, MISSING_FIELD, OK, STRIPPED_LEADING, STRIPPED_TRAILING, UNDECODABLE, DataError,
-    Source,
-)
+from trainer.data.source_base import BLOCK_BYTES, EMPTY, MALFORMED, MISSING_FIELD, OK, UNDECODABLE, Source
+from trainer.data.sources import STRIPPED_LEADING, STRIPPED_TRAILING
+from trainer.errors import DataError
 
 STAT_KEYS = (
     "documents",  # documents used (each counted once, when first read)
@@ -150,7 +149,7 @@ class DocumentReader:
         start = lo if self.block_start is None else self.block_start
         docs: list[tuple[int, int, Any]] | _NumberedBlock = []
         full = False
-        if src.verbatim and hasattr(src, "layout"):  # token files: documents lo..hi-1, numbered in the file
+        if src.verbatim:  # stored token arrays: documents lo..hi-1, numbered in the file
             size = max(0, min(plan.shuffle_window, hi - start))
             docs, full = _NumberedBlock(start, size), size >= plan.shuffle_window
         elif start < hi:
@@ -167,8 +166,7 @@ class DocumentReader:
                 gen.close()
         self._block, self._block_unit = docs, unit
         # Token files: the whole block's ids checked against the vocabulary at once (else per document).
-        self._checked = bool(docs) and src.verbatim and hasattr(src, "check_block") and src.check_block(
-            unit, docs[0][0], docs[-1][0])
+        self._checked = bool(docs) and src.verbatim and src.check_block(unit, docs[0][0], docs[-1][0])
         self._block_next = docs[-1][1] if full else None  # None: the part ends with this block
         if plan.shuffle and len(docs) > 1:
             self._perm = _rng(plan.seed, src.index, self.shard, self.epoch, unit, start, 2).permutation(len(docs))
@@ -359,7 +357,7 @@ class _Layout(NamedTuple):
 def _layout(src: Source, plan: DataPlan, unit: int, first: int, perm: np.ndarray) -> _Layout | None:
     """The layout of a block of documents first.. (file order) read in ``perm`` order, or None where the
     documents must go one by one (a null or empty document, truncation, EOS to append, no known layout)."""
-    found = src.layout(unit, first, first + len(perm)) if hasattr(src, "layout") else None
+    found = src.layout(unit, first, first + len(perm))
     if found is None:
         return None
     base, starts, lens = found
