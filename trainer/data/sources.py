@@ -95,8 +95,9 @@ def _infer_kind(path: str, key: str) -> str:
             return "tokens"
         return _folder_kind(expanded, path, key)
     suffix = data_suffix(path)
-    if suffix in _EXTENSIONS:
-        return _EXTENSIONS[suffix]
+    kind = _kind_of_suffix(suffix)
+    if kind is not None:
+        return kind
     if not os.path.exists(expanded) and os.path.isfile(expanded + ".idx"):
         return "megatron"  # a Megatron path prefix, as in --data-path
     raise ConfigError(
@@ -111,7 +112,7 @@ def _folder_kind(folder: str, shown: str, key: str) -> str:
         for name in names:
             if name in _NOT_DATA or name.lower().startswith("readme"):
                 continue
-            kind = _EXTENSIONS.get(data_suffix(name))
+            kind = _kind_of_suffix(data_suffix(name))
             if kind is not None and kind not in found:
                 found[kind] = os.path.join(root, name)
                 if len(found) > 1:
@@ -531,7 +532,11 @@ def _import_datasets(spec: SourceSpec):
 # path is this kind when it ends with one of the class's ``extensions``.
 KINDS: dict[str, type[Source]] = {cls.kind: cls for cls in (
     JsonlSource, TextSource, ParquetSource, ArrowSource, TokenSource, HFSource, MegatronSource, NumpySource)}
-_EXTENSIONS = {suffix: kind for kind, cls in KINDS.items() for suffix in cls.extensions}
+
+
+def _kind_of_suffix(suffix: str) -> str | None:
+    """The kind whose files end with ``suffix`` (a bare path's kind), from the table."""
+    return next((kind for kind, cls in KINDS.items() if suffix in cls.extensions), None)
 
 
 def build_source(spec: SourceSpec, index: int, opts: SourceOptions) -> Source:
