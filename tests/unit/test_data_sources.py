@@ -97,6 +97,32 @@ def test_hf_datasets_local(tmp_path, monkeypatch):
         assert torch.equal(a["input"], b["input"])
 
 
+def test_a_new_source_kind_is_its_class_and_one_table_entry(tmp_path, monkeypatch):
+    """sources.KINDS is the only place a kind is registered: with one entry added, a bare path with the class's
+    extension is that kind, ``kind:path`` reads it, and error messages list it."""
+    from trainer.data import sources
+    from trainer.data.source_base import OK
+
+    class ReversedText(sources.TextSource):  # each line, read backwards
+        kind, extensions = "rtext", (".rtxt",)
+
+        def decode(self, payload):
+            status, text = super().decode(payload)
+            return (status, text[::-1]) if status == OK else (status, text)
+
+    texts = synthetic_texts(12, seed=9)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.rtxt").write_text("\n".join(texts) + "\n")
+    with pytest.raises(ConfigError, match="cannot tell the source kind"):
+        loader_for(str(tmp_path / "d" / "a.rtxt"))
+    monkeypatch.setitem(sources.KINDS, "rtext", ReversedText)
+    backwards = {t[::-1] for t in texts}
+    assert texts_seen(one_epoch(loader_for(str(tmp_path / "d" / "a.rtxt")))) == backwards  # by its extension
+    assert texts_seen(one_epoch(loader_for(f"rtext:{tmp_path}/d"))) == backwards  # a folder of its files
+    with pytest.raises(ConfigError, match="kinds: .*numpy, rtext"):
+        loader_for(f"nosuch:{tmp_path}/d")
+
+
 def test_missing_paths_are_one_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="no such file '.*nothere.jsonl'"):
         loader_for(f"jsonl:{tmp_path}/nothere.jsonl")

@@ -88,9 +88,9 @@ def test_the_same_documents_give_the_same_batches_in_every_format(formats, token
 
 @pytest.mark.parametrize("name", ["megatron", "numpy_sidecar", "arrow", "arrow_rows"])
 def test_packing_whole_blocks_matches_reading_document_by_document(formats, tokenizer, monkeypatch, name):
-    """The loader packs runs of checked token-file documents at once (pipeline.Packer._fill); reading every
-    document through DocumentTokenizer.next instead gives the same batches and the same states (positions,
-    counters) after every micro-batch. Short windows and long ones (documents of ~100 tokens)."""
+    """The loader packs runs of checked token-file documents at once (the rest of a block, DocumentReader.take_block);
+    reading every document as a run of its own (no block layout) instead gives the same batches and the same states
+    (positions, counters) after every micro-batch. Short windows and long ones (documents of ~100 tokens)."""
     from trainer.data import pipeline
 
     for seq_len in (32, 400):
@@ -98,7 +98,7 @@ def test_packing_whole_blocks_matches_reading_document_by_document(formats, toke
         runs = []
         for whole_blocks in (True, False):
             if not whole_blocks:
-                monkeypatch.setattr(pipeline, "_layout", lambda *a, **k: None)
+                monkeypatch.setattr(pipeline, "block_layout", lambda *a, **k: None)
             ld = loader(formats[name], kind_of(name), tokenizer, **extra)
             got = []
             for _ in range(14):

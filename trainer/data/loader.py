@@ -38,12 +38,12 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from trainer.data.prefetch import Prefetcher
 from trainer.config.derive import run_seed
-from trainer.errors import ConfigError, DataStateError
+from trainer.errors import ConfigError, DataError, DataStateError
 from trainer.data.checks import batch_geometry
-from trainer.fingerprint import split_fingerprint, window_fingerprint
-from trainer.data.pipeline import STAT_KEYS, DataPlan, ShardStream, Window, shard_state
-from trainer.data.readers import build_source
-from trainer.data.sources import DataError, SourceOptions, SourceSpec, training_specs, validation_spec
+from trainer.fingerprint import split_fingerprint
+from trainer.data.pipeline import STAT_KEYS, DataPlan, ShardStream, shard_state
+from trainer.data.source_base import SourceOptions, SourceSpec
+from trainer.data.sources import build_source, training_specs, validation_spec
 
 logger = logging.getLogger(__name__)
 
@@ -196,21 +196,30 @@ def model_vocab(config, tokenizer) -> int:
 # --------------------------------------------------------------------------------------------------
 
 
-def collate_arrays(windows: list[Window], plan: DataPlan, tokens: np.ndarray | None = None) -> dict[str, np.ndarray]:
-    """Stack windows into a micro-batch of int64 arrays: input/labels [B, seq_len] (labels = input
-    shifted by one), positions [B, seq_len], and the debugging arrays. ``tokens``: the windows' tokens
-    stacked already."""
-    if tokens is None:
-        tokens = np.stack([w.tokens for w in windows])
-    batch = {"input": tokens[:, :-1].copy(), "labels": tokens[:, 1:].copy()}  # (copies: ``tokens`` is reused)
+def batch_arrays(plan: DataPlan, tokens: np.ndarray, positions: np.ndarray | None = None,
+                 doc_ids: np.ndarray | None = None, sources=None, shards=None) -> dict[str, np.ndarray]:
+    """A micro-batch's int64 arrays from its packed windows (rows of seq_len + 1; ``tokens`` of any integer
+    type): input/labels [B, seq_len] (labels = input shifted by one), positions [B, seq_len] with
+    data.document_positions, and with data.debug_doc_ids the document ids and positions of every window token and
+    each row's source and shard. All copies: the rows may be reused."""
+    batch = {"input": tokens[:, :-1].astype(np.int64), "labels": tokens[:, 1:].astype(np.int64)}
     if plan.positions:
-        batch["positions"] = np.ascontiguousarray(np.stack([w.positions for w in windows])[:, :-1])
+        batch["positions"] = positions[:, :-1].copy()
     if plan.debug:
-        batch["doc_ids"] = np.stack([w.doc_ids for w in windows])
-        batch["doc_positions"] = np.stack([w.positions for w in windows])
-        batch["source"] = np.array([w.source for w in windows], dtype=np.int64)
-        batch["shard"] = np.array([w.shard for w in windows], dtype=np.int64)
+        batch["doc_ids"] = doc_ids.copy()
+        batch["doc_positions"] = positions.copy()
+        batch["source"] = np.array(sources, dtype=np.int64)
+        batch["shard"] = np.array(shards, dtype=np.int64)
     return batch
+
+
+def window_rows(plan: DataPlan, rows: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """Buffers for ``rows`` windows: tokens in the type the sources store them in (copies of documents into it
+    move fewer bytes; text: int64), and int64 positions and document ids when the plan asks for them."""
+    width = plan.seq_len + 1
+    positions = np.empty((rows, width), dtype=np.int64) if plan.positions or plan.debug else None
+    doc_ids = np.empty((rows, width), dtype=np.int64) if plan.debug else None
+    return np.empty((rows, width), dtype=plan.token_dtype()), positions, doc_ids
 
 
 class MicroBatch(dict):
@@ -280,21 +289,16 @@ class _RankDataset(IterableDataset):
         streams = self._streams
         first = int(self.start["sequences"])
         micro = worker
-        width = self.plan.seq_len + 1
-        # Without positions or document ids a window is only its tokens: the streams write them into the
-        # micro-batch's rows and nothing else is made.
-        bare = not (self.plan.positions or self.plan.debug)
         keys = [str(j) for j in range(n_shards)]
-        # The windows are packed into the rows of one buffer, reused: a micro-batch's arrays are copies of it.
-        # Without positions or ids, in the type the tokens are stored in (e.g. uint16 token files): the copies
-        # of documents into it move fewer bytes, and the two copies out of it widen to int64.
-        tokens = np.empty((b, width), dtype=self.plan.token_dtype() if bare else np.int64)
-        rows = list(tokens)
+        # The windows are packed into the rows of buffers reused for every micro-batch (see window_rows); the
+        # micro-batch's arrays are copies of them.
+        tokens, positions, doc_ids = window_rows(self.plan, b)
+        spare = np.empty_like(tokens[0])  # (windows only skipped)
+        sources, shards = [0] * b, [0] * b
         snapshots = self.snapshots
         touched: dict = {}
         while True:
             self.failed = True  # while a micro-batch is being made
-            windows = []
             if snapshots:
                 touched = {}
             i = world * (first + micro * b) + rank  # global sequence number of the first row
@@ -305,12 +309,11 @@ class _RankDataset(IterableDataset):
                     if stream.n > n:
                         raise DataError(f"data state of shard {j} is ahead of the loader ({stream.n} > {n})")
                     while stream.n < n:  # only when loader workers share a shard (see the module docstring)
-                        stream.next()
+                        stream.fill(spare)
                         self._replayed += 1
-                if bare:
-                    stream.fill(rows[row])
-                else:
-                    windows.append(stream.next(rows[row]))
+                sources[row] = stream.fill(tokens[row], None if positions is None else positions[row],
+                                           None if doc_ids is None else doc_ids[row])
+                shards[row] = j
                 if snapshots:
                     touched[j] = stream
                 i += world
@@ -319,13 +322,8 @@ class _RankDataset(IterableDataset):
             # nothing the stream changes later; TrainLoader makes state dicts of them only when asked), with
             # this worker's replay counter.
             states = {keys[j]: st.snapshot() for j, st in touched.items()} if snapshots else None
-            if bare:
-                inputs, labels = tokens[:, :-1].astype(np.int64), tokens[:, 1:].astype(np.int64)
-                arrays = {"input": inputs, "labels": labels}
-                fingerprint = split_fingerprint(inputs, labels[:, -1])
-            else:
-                arrays = collate_arrays(windows, self.plan, tokens)
-                fingerprint = window_fingerprint(tokens)
+            arrays = batch_arrays(self.plan, tokens, positions, doc_ids, sources, shards)
+            fingerprint = split_fingerprint(arrays["input"], arrays["labels"][:, -1])
             self.failed = False
             yield arrays, fingerprint, (worker, self._replayed, states)
 
@@ -623,14 +621,19 @@ class ValLoader:
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         stream = ShardStream(0, self.plan)
         per_round = self.dp_world_size * self.local_batch_size
+        tokens, positions, doc_ids = window_rows(self.plan, per_round)
+        sources = [0] * per_round
+        mine = slice(self.dp_rank, None, self.dp_world_size)
         while True:
-            round_windows = []
             try:
-                for _ in range(per_round):
-                    round_windows.append(stream.next())
+                for row in range(per_round):
+                    sources[row] = stream.fill(tokens[row], None if positions is None else positions[row],
+                                               None if doc_ids is None else doc_ids[row])
             except StopIteration:
                 return
-            yield to_tensors(collate_arrays(round_windows[self.dp_rank::self.dp_world_size], self.plan))
+            yield to_tensors(batch_arrays(self.plan, tokens[mine], None if positions is None else positions[mine],
+                                          None if doc_ids is None else doc_ids[mine], sources[mine],
+                                          [0] * self.local_batch_size))
 
 
 # --------------------------------------------------------------------------------------------------

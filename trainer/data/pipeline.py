@@ -21,10 +21,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from trainer.data.sources import (
-    BLOCK_BYTES, EMPTY, MALFORMED, MISSING_FIELD, OK, STRIPPED_LEADING, STRIPPED_TRAILING, UNDECODABLE, DataError,
-    Source,
-)
+from trainer.data.source_base import BLOCK_BYTES, EMPTY, MALFORMED, MISSING_FIELD, OK, UNDECODABLE, Source
+from trainer.data.sources import STRIPPED_LEADING, STRIPPED_TRAILING
+from trainer.errors import DataError
 
 STAT_KEYS = (
     "documents",  # documents used (each counted once, when first read)
@@ -97,6 +96,9 @@ class DocumentReader:
     Both permutations are seeded by (seed, source, shard, epoch, unit, block start), so the order is a
     pure function of the config, and the state (epoch, unit, block start, index in block) is enough to
     re-read the current block and continue.
+
+    Documents come out one at a time (``next``), or, for a block of stored token arrays whose every document
+    can be packed as stored, as the rest of the block at once (``take_block``).
     """
 
     def __init__(self, source: Source, shard: int, plan: DataPlan):
@@ -106,17 +108,19 @@ class DocumentReader:
         self.block_start: int | None = None  # None: the start of the unit's part
         self.block_index = 0  # next position in the block's permutation
         self.epoch_docs = 0  # raw documents read this epoch (0 at the end of an epoch: an empty shard)
-        self._block: list | None = None
-        self._drop_cache()
-
-    def _drop_cache(self):
-        self._block = None
-        self._fast: _Layout | None = None
+        self.last: tuple[int | None, int] = (None, 0)  # unit and coordinate of the document last returned
+        self._order: np.ndarray | None = None  # this epoch's unit order
         self._order_epoch: int | None = None
+        self._block: list | _NumberedBlock | None = None  # the block's (coordinate, next coordinate, payload)
+        self._block_unit = 0
+        self._block_next: int | None = None  # where the part's next block starts (None: this one ends it)
+        self._perm: np.ndarray | None = None  # the block's reading order
+        self._checked = False  # every token of the block is inside the vocabulary (token files)
+        self._layout: Layout | None = None  # the block in reading order, when it can be packed as stored
 
     def where(self) -> dict:
         """Where the document last returned is: its file and byte offset (line sources) or row."""
-        unit, coord = getattr(self, "last", (None, 0))
+        unit, coord = self.last
         name = self.source.units[unit] if unit is not None and unit < len(self.source.units) else self.source.label
         return {"file": str(name), "at": int(coord), "bytes": bool(self.source.coords_are_bytes)}
 
@@ -131,7 +135,8 @@ class DocumentReader:
         self.epoch, self.unit_pos = int(sd["epoch"]), int(sd["unit_pos"])
         self.block_start = None if sd["block_start"] is None else int(sd["block_start"])
         self.block_index, self.epoch_docs = int(sd["block_index"]), int(sd["epoch_docs"])
-        self._drop_cache()
+        self._block = self._layout = None
+        self._order_epoch = None
 
     def _unit(self) -> int:
         if self._order_epoch != self.epoch:
@@ -150,7 +155,7 @@ class DocumentReader:
         start = lo if self.block_start is None else self.block_start
         docs: list[tuple[int, int, Any]] | _NumberedBlock = []
         full = False
-        if src.verbatim and hasattr(src, "layout"):  # token files: documents lo..hi-1, numbered in the file
+        if src.verbatim:  # stored token arrays: documents lo..hi-1, numbered in the file
             size = max(0, min(plan.shuffle_window, hi - start))
             docs, full = _NumberedBlock(start, size), size >= plan.shuffle_window
         elif start < hi:
@@ -167,39 +172,24 @@ class DocumentReader:
                 gen.close()
         self._block, self._block_unit = docs, unit
         # Token files: the whole block's ids checked against the vocabulary at once (else per document).
-        self._checked = bool(docs) and src.verbatim and hasattr(src, "check_block") and src.check_block(
-            unit, docs[0][0], docs[-1][0])
+        self._checked = bool(docs) and src.verbatim and src.check_block(unit, docs[0][0], docs[-1][0])
         self._block_next = docs[-1][1] if full else None  # None: the part ends with this block
         if plan.shuffle and len(docs) > 1:
             self._perm = _rng(plan.seed, src.index, self.shard, self.epoch, unit, start, 2).permutation(len(docs))
         else:
             self._perm = np.arange(len(docs))
-        self._fast = _layout(src, plan, unit, docs[0][0], self._perm) if self._checked else None
+        self._layout = block_layout(src, plan, unit, docs[0][0], self._perm) if self._checked else None
 
-    def fast_block(self) -> _Layout | None:
-        """The current block's layout when its remaining documents can be packed without going through
-        ``next`` one by one (see Packer._fill)."""
-        if self._fast is not None and self._block is not None and self.block_index < len(self._block):
-            return self._fast
-        return None
-
-    def next(self) -> tuple[int, Any]:
-        """(document id, payload) of the next document; StopIteration after plan.max_epochs epochs."""
+    def _reach_document(self) -> None:
+        """Load blocks until the current one has a document left (the next block of the part, else the next
+        unit, else the next epoch); StopIteration after plan.max_epochs epochs."""
         while True:
             if self._block is None:
                 if self.plan.max_epochs is not None and self.epoch >= self.plan.max_epochs:
                     raise StopIteration
                 self._load_block()
             if self.block_index < len(self._block):
-                coord, next_coord, payload = self._block[int(self._perm[self.block_index])]
-                self.block_index += 1
-                self.epoch_docs += 1
-                unit = self._block_unit
-                self.last = (unit, coord)
-                if self._checked:
-                    return self.source.uid(unit, coord, self.shard), self.source.load_unchecked(unit, coord)
-                return (self.source.uid(unit, coord, self.shard),
-                        self.source.load(unit, coord, next_coord, payload))
+                return
             # Block used up: the next block of this part, else the next unit, else the next epoch.
             if self._block_next is not None:
                 self.block_start = self._block_next
@@ -217,6 +207,54 @@ class DocumentReader:
                     self.epoch_docs = 0
             self.block_index = 0
             self._block = None
+
+    def next(self) -> Any:
+        """The payload of the next document (its unit and coordinate are then ``last``); StopIteration after
+        plan.max_epochs epochs."""
+        self._reach_document()
+        coord, next_coord, payload = self._block[int(self._perm[self.block_index])]
+        self.block_index += 1
+        self.epoch_docs += 1
+        unit = self._block_unit
+        self.last = (unit, coord)
+        if self._checked:
+            return self.source.load_unchecked(unit, coord)
+        return self.source.load(unit, coord, next_coord, payload)
+
+    def take_block(self) -> Run | None:
+        """The rest of the current block as one run, read at once, when its layout is known (token files whose
+        documents are packed as stored); None when the next document must come through ``next``."""
+        before = self.position()
+        self._reach_document()
+        layout = self._layout
+        if layout is None:
+            return None
+        first, n = self.block_index, len(layout.lens)
+        read = (self.epoch, self.unit_pos, self.block_start, first + 1, self.epoch_docs + 1)
+        self.block_index = n
+        self.epoch_docs += n - first
+        self.last = (self._block_unit, layout.coords[-1])
+        return Run(layout, first, before, read, self._block_unit)
+
+
+class Run(NamedTuple):
+    """Documents ``first``.. of a layout that the reader gave out together: the rest of a block
+    (DocumentReader.take_block) or one document (DocumentTokenizer.next_run)."""
+
+    layout: Layout
+    first: int
+    before: tuple  # the reader's position (DocumentReader.position) just before document ``first`` was read
+    read: tuple  # and just after
+    unit: int
+
+    def position(self, j: int) -> tuple:
+        """The reader's position just before document j of the run (j past the run: where the reader is):
+        every document read after the first moves the block index and the epoch's document count by one."""
+        if j == self.first:
+            return self.before
+        epoch, unit_pos, block_start, block_index, epoch_docs = self.read
+        n = j - self.first - 1
+        return epoch, unit_pos, block_start, block_index + n, epoch_docs + n
 
 
 class DocumentTokenizer:
@@ -246,18 +284,23 @@ class DocumentTokenizer:
             return np.asarray(ids[lead:end], dtype=np.int64), lead + len(ids) - end
         return obj, payload_stripped  # pre-tokenized, already stripped by prepare
 
-    def next(self, count: bool = True) -> tuple[dict, int, np.ndarray]:
-        """(reader state just before the document, document id, tokens with the separator)."""
-        plan, stats = self.plan, self.stats
-        first_epoch = self.reader.epoch
-        verbatim = self.reader.source.verbatim
+    def next_run(self, count: bool = True) -> Run:
+        """The next documents to pack: the rest of the reader's block when it goes in as stored, else the next
+        usable document, with its separator, as a run of one. Skipped (bad) documents, truncations and stripped
+        separators are counted here (with ``count``); the packer counts documents and tokens as it starts them."""
+        plan, stats, reader = self.plan, self.stats, self.reader
+        first_epoch = reader.epoch
+        verbatim = reader.source.verbatim
         while True:
-            before = self.reader.state_dict()
-            uid, payload = self.reader.next()
+            before = reader.position()
+            run = reader.take_block()
+            if run is not None:
+                return run
+            payload = reader.next()
             if verbatim and payload is not None and len(payload):  # a stored token array: nothing to decode
                 ids, stripped, status = payload, 0, OK
             else:
-                status, obj = self.reader.source.decode(payload)
+                status, obj = reader.source.decode(payload)
                 if status == OK:
                     stripped = 0
                     if isinstance(obj, tuple):  # (tokens, status byte) from a prepared dataset
@@ -273,14 +316,14 @@ class DocumentTokenizer:
                     stats[_SKIP_KEY[status]] += 1
                     if status == MALFORMED and obj is MISSING_FIELD:
                         stats["skipped_missing_field"] += 1
-                    stats["last_skipped"] = self.reader.where()
-                if self.reader.epoch >= first_epoch + 2:
+                    stats["last_skipped"] = reader.where()
+                if reader.epoch >= first_epoch + 2:
                     raise DataError(
-                        f"{self.reader.source.spec.key} ({self.reader.source.label}): shard {self.reader.shard} "
+                        f"{reader.source.spec.key} ({reader.source.label}): shard {reader.shard} "
                         f"has no usable document in a whole epoch (skipped: empty {stats['skipped_empty']}, "
                         f"malformed {stats['skipped_malformed']}, undecodable {stats['skipped_undecodable']})"
                         # Malformed JSON-lines or columns usually mean the text is under another name.
-                        + (f"; is the text under another field than {self.reader.source.opts.text_field!r} "
+                        + (f"; is the text under another field than {reader.source.opts.text_field!r} "
                            "(data.text_field)?" if stats["skipped_malformed"] else "")
                     )
                 continue
@@ -288,14 +331,20 @@ class DocumentTokenizer:
                 ids = ids[: plan.max_document_tokens]
                 if count:
                     stats["truncated_documents"] += 1
-            doc = self._stored(ids, count) if verbatim else self._separated(ids)
+            no_eos = verbatim and plan.eos_id is not None and int(ids[-1]) != plan.eos_id
+            if no_eos and plan.append_eos:
+                doc = np.append(ids.astype(np.int64), plan.eos_id)
+            elif verbatim:  # as stored: a view of its file, which the packer copies into the window
+                doc = ids
+            else:
+                doc = self._separated(ids)
             if count:
-                stats["documents"] += 1
-                stats["tokens"] += len(doc)
                 stats["stripped_separators"] += stripped
-                if len(doc) > plan.long_document_windows * (plan.seq_len + 1):
-                    stats["long_documents"] += 1
-            return before, uid, doc
+            n = len(doc)
+            unit, coord = reader.last
+            long = n > plan.long_document_windows * (plan.seq_len + 1)
+            layout = Layout(doc, None, [0], [n], [n], [coord], [n], [1] if no_eos else None, [1] if long else None)
+            return Run(layout, 0, before, reader.position(), unit)
 
     def _separated(self, ids: np.ndarray) -> np.ndarray:
         plan = self.plan
@@ -305,18 +354,6 @@ class DocumentTokenizer:
         else:
             doc[:-1], doc[-1] = ids, plan.separator_id
         return doc
-
-    def _stored(self, ids: np.ndarray, count: bool) -> np.ndarray:
-        """A pre-tokenized document as stored (a view of its file: the packer copies it into the window),
-        with EOS appended only under data.append_eos."""
-        eos = self.plan.eos_id
-        if eos is None or int(ids[-1]) == eos:
-            return ids
-        if count:
-            self.stats["documents_without_eos"] += 1
-        if self.plan.append_eos:
-            return np.append(ids.astype(np.int64), eos)
-        return ids
 
 
 class _NumberedBlock:
@@ -339,10 +376,10 @@ class _NumberedBlock:
         return self.start + i, self.start + i + 1, None
 
 
-class _Layout(NamedTuple):
-    """A block of token-file documents in reading order, every one checked and non-empty: document i is
-    ``base[starts[i]:starts[i] + lens[i]]`` (or ``views[i]``); cumulative sums of lengths and of the counters
-    they add, so a run of documents is counted with two lookups."""
+class Layout(NamedTuple):
+    """Documents in reading order, every one non-empty: document i is ``base[starts[i]:starts[i] + lens[i]]``
+    (or ``views[i]``), with the numbers in its file (``coords``) and cumulative sums of lengths and of the
+    counters they add, so that a run of documents is counted with two lookups."""
 
     # (lists of Python ints: indexed one element at a time)
     base: np.ndarray | None
@@ -350,16 +387,17 @@ class _Layout(NamedTuple):
     starts: list | None
     ends: list | None  # starts + lens
     lens: list
-    coords: list  # document numbers in the file
+    coords: list  # document coordinates (numbers in the file for token files)
     cum: list
-    cum_no_eos: list | None  # None: no such document in the block
+    cum_no_eos: list | None  # None: no such document
     cum_long: list | None
 
 
-def _layout(src: Source, plan: DataPlan, unit: int, first: int, perm: np.ndarray) -> _Layout | None:
-    """The layout of a block of documents first.. (file order) read in ``perm`` order, or None where the
-    documents must go one by one (a null or empty document, truncation, EOS to append, no known layout)."""
-    found = src.layout(unit, first, first + len(perm)) if hasattr(src, "layout") else None
+def block_layout(src: Source, plan: DataPlan, unit: int, first: int, perm: np.ndarray) -> Layout | None:
+    """The layout of a checked block of token-file documents first.. (file order) read in ``perm`` order, or
+    None where the documents must go one by one (a null or empty document, truncation, EOS to append, no known
+    layout)."""
+    found = src.layout(unit, first, first + len(perm))
     if found is None:
         return None
     base, starts, lens = found
@@ -377,11 +415,11 @@ def _layout(src: Source, plan: DataPlan, unit: int, first: int, perm: np.ndarray
     if plan.append_eos and no_eos.any():
         return None
     long = lens > plan.long_document_windows * (plan.seq_len + 1)
-    return _Layout(base, views, None if starts is None else starts.tolist(),
-                   None if starts is None else (starts + lens).tolist(), lens.tolist(),
-                   (first + np.asarray(perm, dtype=np.int64)).tolist(), np.cumsum(lens).tolist(),
-                   np.cumsum(no_eos).tolist() if no_eos.any() else None,
-                   np.cumsum(long).tolist() if long.any() else None)
+    return Layout(base, views, None if starts is None else starts.tolist(),
+                  None if starts is None else (starts + lens).tolist(), lens.tolist(),
+                  (first + np.asarray(perm, dtype=np.int64)).tolist(), np.cumsum(lens).tolist(),
+                  np.cumsum(no_eos).tolist() if no_eos.any() else None,
+                  np.cumsum(long).tolist() if long.any() else None)
 
 
 class Window(NamedTuple):
@@ -397,22 +435,18 @@ class Window(NamedTuple):
 class Packer:
     """Concatenate one source's documents (of one shard) and cut windows of seq_len + 1 tokens.
 
-    The document in progress is ``_cur`` = (reader state just before it, id, tokens), or ``_IN_BLOCK``: document
-    ``block_index - 1`` of the reader's block layout (token files), whose state and tokens are found from the
-    layout when asked for, so that packing from a layout makes nothing per document."""
+    Documents come in runs (DocumentTokenizer.next_run): the rest of a block of token-file documents, or one
+    document. The packer is at document ``_doc`` of its run, ``_offset`` tokens into it (0: not started, so not
+    counted yet); its state is the reader's position before that document (Run.position) and the offset."""
 
     def __init__(self, docs: DocumentTokenizer, plan: DataPlan):
         self.docs, self.plan = docs, plan
         self.width = plan.seq_len + 1
         self.sequences = 0
-        self._cur: tuple[dict, int, np.ndarray] | object | None = None
+        self._run: Run | None = None
+        self._doc = 0
         self._offset = 0
         self._pending: dict | None = None
-
-    def _before(self) -> tuple:
-        """The reader's position just before the document in progress (from a block layout)."""
-        epoch, unit_pos, block_start, block_index, epoch_docs = self.docs.reader.position()
-        return epoch, unit_pos, block_start, block_index - 1, epoch_docs - 1
 
     def state_dict(self) -> dict:
         if self._pending is not None:
@@ -422,7 +456,7 @@ class Packer:
     def load_state_dict(self, sd: dict) -> None:
         # Applied lazily (in the process that reads), so loading a state costs nothing up front.
         self._pending = _copy_state(sd)
-        self._cur = None
+        self._run = None
 
     def _restore(self) -> None:
         sd, self._pending = self._pending, None
@@ -432,69 +466,34 @@ class Packer:
         self.sequences = int(sd["sequences"])
         self.docs.reader.load_state_dict(sd["reader"])
         if sd["has_doc"]:
-            self._cur = self.docs.next(count=False)  # the same document, re-read: counted already
-            self._offset = int(sd["offset"])
+            run = self._run = self.docs.next_run(count=False)  # the same document, re-read: counted already
+            self._doc, self._offset = run.first, int(sd["offset"])
 
     @property
     def epoch(self) -> int:
         return int(self._pending["reader"]["epoch"]) if self._pending is not None else self.docs.reader.epoch
 
-    def next_window(self, source: int, shard: int, out: np.ndarray | None = None) -> Window:
-        """The next window; its tokens are written into ``out`` (int64, seq_len + 1) when given."""
-        plan, width = self.plan, self.width
-        # Documents are copied (and widened) into the window once.
-        tokens = np.empty(width, dtype=np.int64) if out is None else out
-        positions = np.empty(width, dtype=np.int64) if plan.positions or plan.debug else None
-        uids = np.empty(width, dtype=np.int64) if plan.debug else None
-        self._window(tokens, positions, uids)
-        return Window(tokens, positions, uids, source, shard)
-
-    def _window(self, tokens: np.ndarray, positions, uids) -> None:
-        """The next window's tokens into ``tokens`` (and its positions and document ids when given)."""
+    def fill(self, tokens: np.ndarray, positions: np.ndarray | None = None, uids: np.ndarray | None = None) -> None:
+        """The next window's seq_len + 1 tokens into ``tokens`` (and each token's position in its document and
+        document id into ``positions`` and ``uids`` when given); StopIteration at the end of the data (one pass)."""
         if self._pending is not None:
             self._restore()
-        width = self.width
         filled = 0
-        reader = self.docs.reader
-        while filled < width:
-            cur = self._cur
-            if cur is _IN_BLOCK:
-                filled = self._fill(reader._fast, tokens, positions, uids, filled)
-                continue
-            if cur is None:
-                layout = reader.fast_block()
-                if layout is not None:
-                    filled = self._fill(layout, tokens, positions, uids, filled)
-                    continue
-                cur, self._offset = self.docs.next(), 0
-                self._cur = cur
-            _, uid, doc = cur
-            off = self._offset
-            take = min(width - filled, len(doc) - off)
-            tokens[filled:filled + take] = doc[off:off + take]
-            if positions is not None:
-                positions[filled:filled + take] = np.arange(off, off + take)
-            if uids is not None:
-                uids[filled:filled + take] = uid
-            self._offset = off + take
-            filled += take
-            if self._offset == len(doc):
-                self._cur, self._offset = None, 0
+        while filled < self.width:
+            run = self._run
+            if run is None or self._doc == len(run.layout.lens):
+                run = self._run = self.docs.next_run()
+                self._doc, self._offset = run.first, 0
+            filled = self._pack(run, tokens, positions, uids, filled)
         self.sequences += 1
 
-    def _fill(self, layout: _Layout, tokens, positions, uids, filled: int) -> int:
-        """Fill the window from the reader's block layout, from the document in progress there (``_IN_BLOCK``)
-        or its next document, as far as the block or the window goes: what ``docs.next()`` document by
-        document would do (the same tokens, reader position, counters and document in progress), with one
-        copy call and nothing made per document."""
-        reader, stats = self.docs.reader, self.docs.stats
+    def _pack(self, run: Run, tokens, positions, uids, filled: int) -> int:
+        """Fill the window from the run, from the document in progress, as far as the run or the window goes,
+        with one copy call when neither positions nor ids are asked for; count the documents started."""
+        layout = run.layout
         cum, lens = layout.cum, layout.lens
-        i = reader.block_index  # the first document not read yet
-        if self._cur is _IN_BLOCK:  # document i - 1, from self._offset
-            first, off = i - 1, self._offset
-        else:
-            first, off = i, 0
-        pos = (cum[first - 1] if first else 0) + off  # where the window goes on, in tokens of the block
+        first, off = self._doc, self._offset
+        pos = (cum[first - 1] if first else 0) + off  # where the window goes on, in tokens of the layout
         end = pos + self.width - filled
         k = bisect_left(cum, end, first)  # the document the window ends in
         if k >= len(lens):
@@ -515,7 +514,7 @@ class Packer:
                 np.concatenate(parts, out=tokens[filled:filled + size])
             filled += size
         else:
-            unit, src, views, coords = reader._block_unit, reader.source, layout.views, layout.coords
+            reader, views, coords = self.docs.reader, layout.views, layout.coords
             for j in range(first, k + 1):
                 lo = off if j == first else 0
                 hi = take_k if j == k else lens[j]
@@ -528,39 +527,38 @@ class Packer:
                 if positions is not None:
                     positions[filled:filled + take] = np.arange(lo, hi)
                 if uids is not None:
-                    uids[filled:filled + take] = src.uid(unit, coords[j], reader.shard)
+                    uids[filled:filled + take] = reader.source.uid(run.unit, coords[j], reader.shard)
                 filled += take
-        if k >= i:  # documents i..k are read now: counted as docs.next() counts them
-            stats["documents"] += k - i + 1
-            stats["tokens"] += cum[k] - (cum[i - 1] if i else 0)
-            c = layout.cum_no_eos
-            if c is not None:
-                stats["documents_without_eos"] += c[k] - (c[i - 1] if i else 0)
-            c = layout.cum_long
-            if c is not None:
-                stats["long_documents"] += c[k] - (c[i - 1] if i else 0)
-            reader.epoch_docs += k - i + 1
-            reader.block_index = k + 1
-            reader.last = (reader._block_unit, layout.coords[k])
+        started = first + 1 if off else first  # the first document not counted yet
+        if k >= started:
+            self._count(layout, started, k)
         if take_k < lens[k]:  # document k goes on in the next window
-            self._cur, self._offset = _IN_BLOCK, take_k
+            self._doc, self._offset = k, take_k
         else:
-            self._cur, self._offset = None, 0
+            self._doc, self._offset = k + 1, 0
         return filled
+
+    def _count(self, layout: Layout, i: int, k: int) -> None:
+        """Documents i..k of the layout are started: their number, tokens, and those without EOS or long."""
+        stats = self.docs.stats
+        stats["documents"] += k - i + 1
+        stats["tokens"] += layout.cum[k] - (layout.cum[i - 1] if i else 0)
+        c = layout.cum_no_eos
+        if c is not None:
+            stats["documents_without_eos"] += c[k] - (c[i - 1] if i else 0)
+        c = layout.cum_long
+        if c is not None:
+            stats["long_documents"] += c[k] - (c[i - 1] if i else 0)
 
     def snapshot(self) -> tuple:
         """What ``state_dict()`` would return now, cheaply (see :func:`packer_state`): the reader's position
-        as a tuple, or the (never changed) state before the document in progress, and a copy of the counters."""
+        before the document in progress (or after the last one read), whether one is in progress and its offset,
+        and a copy of the counters."""
         if self._pending is not None:
             return (self._pending,)  # (replaced, never changed, when applied)
-        cur = self._cur
-        if cur is None:
-            return self.docs.reader.position(), False, 0, self.docs.stats.copy(), self.sequences
-        return (self._before() if cur is _IN_BLOCK else cur[0], True, self._offset, self.docs.stats.copy(),
-                self.sequences)
-
-
-_IN_BLOCK = object()  # Packer._cur: the document in progress is in the reader's block layout
+        run = self._run
+        position = self.docs.reader.position() if run is None else run.position(self._doc)
+        return position, self._offset > 0, self._offset, self.docs.stats.copy(), self.sequences
 
 
 def packer_state(snap: tuple) -> dict:
@@ -568,8 +566,7 @@ def packer_state(snap: tuple) -> dict:
     if len(snap) == 1:
         return _copy_state(snap[0])
     reader, has_doc, offset, stats, sequences = snap
-    reader = dict(reader) if isinstance(reader, dict) else dict(zip(READER_FIELDS, reader))
-    return {"reader": reader, "has_doc": has_doc, "offset": offset, "stats": dict(stats), "sequences": sequences}
+    return {"reader": dict(zip(READER_FIELDS, reader)), "has_doc": has_doc, "offset": offset, "stats": dict(stats), "sequences": sequences}
 
 
 def shard_state(snap: tuple) -> dict:
@@ -637,21 +634,23 @@ class ShardStream:
         self.k += 1
         return bisect_right(self._thresholds, u)
 
-    def next(self, out: np.ndarray | None = None) -> Window:
+    def fill(self, tokens: np.ndarray, positions: np.ndarray | None = None, uids: np.ndarray | None = None) -> int:
+        """The next sequence into ``tokens`` (seq_len + 1 of any integer type that holds the tokens; positions
+        and document ids into ``positions`` and ``uids`` when given, int64); returns its source."""
         source = self.choose()
-        window = self.packer(source).next_window(source, self.shard, out)
+        self.packer(source).fill(tokens, positions, uids)
         self.n += 1
-        return window
+        return source
 
-    def fill(self, out: np.ndarray) -> None:
-        """The next sequence's tokens into ``out`` (seq_len + 1 of int64 or of ``plan.token_dtype()``; plans
-        without positions or document ids): ``next`` without the Window."""
-        if len(self._thresholds) == 1:  # one source: no schedule to advance
-            packer = self._packers.get(0) or self.packer(0)
-        else:
-            packer = self.packer(self.choose())
-        packer._window(out, None, None)
-        self.n += 1
+    def next(self) -> Window:
+        """The next sequence as a Window of its own arrays (positions with data.document_positions or
+        data.debug_doc_ids, document ids with data.debug_doc_ids)."""
+        plan, width = self.plan, self.plan.seq_len + 1
+        tokens = np.empty(width, dtype=np.int64)
+        positions = np.empty(width, dtype=np.int64) if plan.positions or plan.debug else None
+        uids = np.empty(width, dtype=np.int64) if plan.debug else None
+        source = self.fill(tokens, positions, uids)
+        return Window(tokens, positions, uids, source, self.shard)
 
     def state_dict(self) -> dict:
         return shard_state(self.snapshot())

@@ -27,11 +27,10 @@ from typing import Any
 
 import numpy as np
 
+from trainer.data.source_base import EMPTY, OK, UNDECODABLE, SourceOptions, SourceSpec, range_part
 from trainer.data.sources import (
-    EMPTY, OK, STRIPPED_LEADING, STRIPPED_TRAILING, TOKENS_FORMAT, TOKENS_META, UNDECODABLE, SourceOptions,
-    SourceSpec, parse_source, range_part,
+    STRIPPED_LEADING, STRIPPED_TRAILING, TOKENS_FORMAT, TOKENS_META, build_source, parse_source,
 )
-from trainer.data.readers import build_source
 
 PIECE_BYTES = 32 << 20  # line files are tokenized in pieces of about this many bytes ...
 PIECE_ROWS = 100_000  # ... and row-based files in pieces of this many rows

@@ -1,4 +1,4 @@
-"""Token files written by other trainers, read as pre-tokenized documents; the Arrow kind; ``build_source``.
+"""Token files written by other trainers, read as pre-tokenized documents; the Arrow kind.
 
 * ``megatron``: Megatron-LM indexed datasets, a ``.bin`` of tokens and its ``.idx`` (MMIDIDX: magic, version 1,
   dtype code, sequence lengths, byte pointers, document indices); a document is the run of sequences between
@@ -26,9 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from trainer.data.sources import (
-    EMPTY, MALFORMED, OK, HFSource, JsonlSource, KINDS, ParquetSource, Source, SourceOptions, SourceSpec,
-    TextSource, TokenSource, _import_pyarrow, _text_status, expand_files, range_part,
+from trainer.data.source_base import (
+    EMPTY, MALFORMED, OK, Source, SourceOptions, SourceSpec, expand_files, import_pyarrow, range_part, text_status,
 )
 from trainer.errors import ConfigError, DataError
 
@@ -41,16 +40,6 @@ MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int6
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, document indices
 _NPY_MAGIC = b"\x93NUMPY"
 _SCAN = 1 << 24  # tokens per step when scanning a file for EOS or checking pointers (bounded memory)
-
-
-def build_source(spec: SourceSpec, index: int, opts: SourceOptions) -> Source:
-    """Resolve a spec to a Source; a missing file or a glob matching nothing is a ConfigError naming it,
-    damaged token files a DataError."""
-    cls = {"jsonl": JsonlSource, "text": TextSource, "parquet": ParquetSource, "arrow": ArrowSource,
-           "tokens": TokenSource, "hf": HFSource, "megatron": MegatronSource, "numpy": NumpySource}.get(spec.kind)
-    if cls is None:
-        raise ConfigError(f"{spec.key}: unknown source kind {spec.kind!r}; kinds: {', '.join(KINDS)}")
-    return cls(spec, index, opts)
 
 
 def check_dtype(path: str, dtype, opts: SourceOptions) -> None:
@@ -235,6 +224,7 @@ def _check_megatron_pair(prefix: str, index: dict) -> bool:
 
 class MegatronSource(_TokenFileSource):
     kind = "megatron"
+    extensions = (".idx", ".bin")
 
     def __init__(self, spec, index, opts):
         super().__init__(spec, index, opts)
@@ -369,10 +359,11 @@ class NumpySource(_TokenFileSource):
     tokens for EOS, in bounded memory) or taken from its sidecar. ``sizes`` are token counts."""
 
     kind = "numpy"
+    extensions = (".npy",)
 
     def __init__(self, spec, index, opts):
         super().__init__(spec, index, opts)
-        self.units = expand_files(spec, (".npy",))
+        self.units = expand_files(spec, self.extensions)
         self._counts: dict[int, int] = {}
         for path in self.units:
             tokens = open_numpy_tokens(path, opts)
@@ -485,11 +476,12 @@ class ArrowSource(_TokenFileSource):
     token shards), memory-mapped: only the rows being read are paged in."""
 
     kind = "arrow"
+    extensions = (".arrow",)
 
     def __init__(self, spec, index, opts):
         super().__init__(spec, index, opts)
-        pa = _import_pyarrow(spec)
-        self.units = expand_files(spec, (".arrow",))
+        pa = import_pyarrow(spec)
+        self.units = expand_files(spec, self.extensions)
         self.modes: list[str] = []
         for path in self.units:
             batches = _arrow_batches(pa, path)
@@ -512,7 +504,7 @@ class ArrowSource(_TokenFileSource):
 
     def _unit(self, unit: int) -> dict:
         def opener(u):
-            pa = _import_pyarrow(self.spec)
+            pa = import_pyarrow(self.spec)
             source = pa.memory_map(self.units[u], "r")
             batches = _arrow_batches(pa, self.units[u], source)
             starts = np.cumsum([0] + [b.num_rows for b in batches])
@@ -540,7 +532,7 @@ class ArrowSource(_TokenFileSource):
         return _TokenFileSource.load(self, unit, coord, next_coord, payload) if self.verbatim else payload
 
     def decode(self, payload):
-        return _TokenFileSource.decode(self, payload) if self.verbatim else _text_status(payload)
+        return _TokenFileSource.decode(self, payload) if self.verbatim else text_status(payload)
 
     def _doc(self, unit, d):
         u = self._unit(unit)

@@ -1,4 +1,5 @@
-"""Data sources: from a "kind:path" spec to files, and from a shard's part of a file to raw documents.
+"""Data sources: from a "kind:path" spec to a Source (the table of kinds, ``KINDS``), and the kinds that read
+text (JSON lines, plain text, parquet), prepared tokens and Hugging Face datasets.
 
 A source is a list of *units* (files; one stream for a Hugging Face dataset). Each unit has a coordinate
 space (byte offsets for line-based files, row numbers for columnar files, a running count for HF
@@ -7,40 +8,38 @@ every unit (``part``), so N shards split each file N ways without anybody readin
 reader can resume in the middle of a part from a coordinate alone (``iter_docs(start=...)``).
 
 Documents come out raw (``payload``) and are decoded lazily by ``decode`` into ``(status, text)`` or
-``(status, token array)``, so bad data is counted where it is consumed (see documents.py).
+``(status, token array)``, so bad data is counted where it is consumed (see pipeline.DocumentTokenizer).
 
 The pre-tokenized format written by ``prepare`` keeps the original coordinates of every document, so a
 ``tokens`` source splits into shards and blocks exactly as the text it came from: the same config gives
 the same sequences on either path. Token files written by other trainers (megatron, numpy, token
-columns of arrow files) are read by readers.py, which also holds ``build_source``.
+columns of arrow files) are read by readers.py; what every kind shares is in source_base.py. A new kind is
+its Source class and one entry in ``KINDS``.
 """
 
 from __future__ import annotations
 
-import glob
 import gzip
 import json
 import os
 import re
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
 
 import numpy as np
 
 from trainer.data.c4 import JSONL_SUFFIXES, SPLITS as C4_NAMES, c4_source, data_suffix
+from trainer.data.readers import ArrowSource, MegatronSource, NumpySource
+from trainer.data.source_base import (
+    EMPTY, MALFORMED, MISSING_FIELD, OK, UNDECODABLE, Source, SourceOptions, SourceSpec, expand_files,
+    import_pyarrow, text_status,
+)
 from trainer.errors import ConfigError, DataError
 
-# Document status codes (also stored, in the low two bits, in a prepared dataset's status array).
-OK, EMPTY, MALFORMED, UNDECODABLE = 0, 1, 2, 3
-# decode()'s object with MALFORMED when a JSON line lacks data.text_field (counted as its own kind in training).
-MISSING_FIELD = "missing field"
 # Bits 2 and 3 of a prepared status byte: the tokenizer had added a leading / trailing separator that was
 # removed at prepare time (kept so that audit counts the same on both paths).
 STRIPPED_LEADING, STRIPPED_TRAILING = 4, 8
 
-KINDS = ("jsonl", "text", "parquet", "arrow", "tokens", "hf", "megatron", "numpy")
 SAMPLE_DIR = Path(__file__).resolve().parent / "sample"
 # Registered dataset names -> {split: (kind, path)}.
 REGISTRY: dict[str, dict[str, tuple[str, str]]] = {
@@ -49,47 +48,11 @@ REGISTRY: dict[str, dict[str, tuple[str, str]]] = {
         "validation": ("jsonl", str(SAMPLE_DIR / "shakespeare_val.jsonl")),
     },
 }
-_EXTENSIONS = {
-    **{suffix: "jsonl" for suffix in JSONL_SUFFIXES},
-    ".txt": "text", ".text": "text", ".md": "text",
-    ".parquet": "parquet", ".arrow": "arrow",
-    ".idx": "megatron", ".bin": "megatron", ".npy": "numpy",
-}
 # Files beside the data that say nothing of its kind (a datasets.save_to_disk folder's metadata).
 _NOT_DATA = frozenset({"state.json", "dataset_info.json", "dataset_dict.json"})
 TOKENS_META = "meta.json"
 TOKENS_FORMAT = "trainer-tokens-v1"
-# A line-based block stops after this many bytes even if it holds fewer than shuffle_window documents.
-BLOCK_BYTES = 8 << 20
 _MISSING = object()
-
-
-@dataclass(frozen=True)
-class SourceSpec:
-    """One parsed source: kind, location, and the config key it came from (for error messages)."""
-
-    kind: str
-    path: str
-    key: str
-    label: str
-    hf_config: str | None = None
-    split: str | None = None
-
-
-@dataclass(frozen=True)
-class SourceOptions:
-    """Settings a source needs to read documents (all picklable, shipped to loader workers)."""
-
-    text_field: str = "text"
-    text_document: str = "line"
-    seed: int = 0
-    shuffle: bool = True
-    shuffle_window: int = 1024
-    tokens_field: str = "tokens"  # the token column of arrow files (pre-tokenized documents)
-    numpy_dtype: str = "auto"  # the token type of headerless numpy files
-    eos_id: int | None = None  # delimits the documents of numpy files without a .csv.gz sidecar
-    vocab_size: int = 0  # the model's vocabulary: a stored token id at or above it is a data error (0: unchecked)
-    tokenizer_vocab: int = 0  # the tokenizer's vocabulary: a token file's type must hold it
 
 
 def parse_source(text: str, *, key: str, split: str = "train") -> SourceSpec:
@@ -132,8 +95,9 @@ def _infer_kind(path: str, key: str) -> str:
             return "tokens"
         return _folder_kind(expanded, path, key)
     suffix = data_suffix(path)
-    if suffix in _EXTENSIONS:
-        return _EXTENSIONS[suffix]
+    kind = _kind_of_suffix(suffix)
+    if kind is not None:
+        return kind
     if not os.path.exists(expanded) and os.path.isfile(expanded + ".idx"):
         return "megatron"  # a Megatron path prefix, as in --data-path
     raise ConfigError(
@@ -148,7 +112,7 @@ def _folder_kind(folder: str, shown: str, key: str) -> str:
         for name in names:
             if name in _NOT_DATA or name.lower().startswith("readme"):
                 continue
-            kind = _EXTENSIONS.get(data_suffix(name))
+            kind = _kind_of_suffix(data_suffix(name))
             if kind is not None and kind not in found:
                 found[kind] = os.path.join(root, name)
                 if len(found) > 1:
@@ -214,111 +178,10 @@ def _single_spec(dataset: str, dataset_path: str, section: str, split: str) -> S
     )
 
 
-def expand_files(spec: SourceSpec, extensions: tuple[str, ...]) -> list[str]:
-    """Files of a path, folder (searched recursively for `extensions`) or glob; sorted; never empty."""
-    path = os.path.expanduser(spec.path)
-    if any(ch in path for ch in "*?["):
-        files = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
-        if not files:
-            raise ConfigError(f"{spec.key}: no files match {spec.path!r}")
-        return files
-    if os.path.isdir(path):
-        files = sorted(
-            str(p) for p in Path(path).rglob("*") if p.is_file() and data_suffix(str(p)) in extensions
-        )
-        if not files:
-            raise ConfigError(f"{spec.key}: folder {spec.path!r} holds no {'/'.join(extensions)} files")
-        return files
-    if not os.path.isfile(path):
-        raise ConfigError(f"{spec.key}: no such file {spec.path!r}")
-    return [path]
-
-
-def range_part(size: int, shard: int, num_shards: int) -> tuple[int, int]:
-    """Shard `shard`'s contiguous slice [lo, hi) of a unit with coordinates 0..size."""
-    return size * shard // num_shards, size * (shard + 1) // num_shards
-
-
-# --------------------------------------------------------------------------------------------------
-# Sources
-# --------------------------------------------------------------------------------------------------
-
-
-class Source:
-    """Base class. Subclasses set ``units`` (names), ``sizes`` and implement iter_docs/decode."""
-
-    kind = "?"
-    coords_are_bytes = False  # blocks are also limited by BLOCK_BYTES when coordinates are byte offsets
-    partition = "range"  # "range": each shard gets a coordinate slice of every unit; "modulo": unit u -> shard u % N
-    verbatim = False  # documents are token arrays trained as stored: no separator added (readers.py)
-
-    def __init__(self, spec: SourceSpec, index: int, opts: SourceOptions):
-        self.spec, self.index, self.opts = spec, index, opts
-        self.units: list[str] = []
-        self.sizes: list[int] = []
-
-    @property
-    def label(self) -> str:
-        return self.spec.label
-
-    def part(self, unit: int, shard: int, num_shards: int) -> tuple[int, int]:
-        if self.partition == "modulo":
-            return (0, self.sizes[unit]) if unit % num_shards == shard else (0, 0)
-        return range_part(self.sizes[unit], shard, num_shards)
-
-    def iter_docs(self, unit: int, lo: int, hi: int, start: int, *, shard: int, num_shards: int,
-                  epoch: int) -> Iterator[tuple[int, int, Any]]:
-        """(coordinate, next coordinate, payload) of the documents starting in [start, hi); `start == lo`
-        means "from the beginning of the part" (which may need aligning to a document start)."""
-        raise NotImplementedError
-
-    def load(self, unit: int, coord: int, next_coord: int, payload: Any) -> Any:
-        """The payload of a document whose payload iter_docs left lazy (None)."""
-        return payload
-
-    def shard_is_empty(self, shard: int, num_shards: int) -> bool | None:
-        """Whether no document starts in the shard's parts (None: unknown without reading)."""
-        return all(lo >= hi for lo, hi in (self.part(u, shard, num_shards) for u in range(len(self.units))))
-
-    def check_cost(self) -> float:
-        """Relative cost of shard_is_empty (checked at start-up only when small)."""
-        return len(self.units)
-
-    def decode(self, payload: Any) -> tuple[int, Any]:
-        """(status, text) or (status, token array); status is OK, EMPTY, MALFORMED or UNDECODABLE."""
-        raise NotImplementedError
-
-    def token_dtype(self):
-        """The numpy type every document is stored in, for sources of stored token arrays; None otherwise."""
-        return None
-
-    def uid(self, unit: int, coord: int, shard: int) -> int:
-        """A document id, unique in the source mixture: source index, unit and start coordinate."""
-        return (self.index << 56) | (unit << 40) | (coord & ((1 << 40) - 1))
-
-    def fingerprint(self) -> dict:
-        """What must not change between a checkpoint and its resumption."""
-        return {"kind": self.kind, "label": self.label, "units": len(self.units), "size": int(sum(self.sizes))}
-
-
-def _text_status(text: Any) -> tuple[int, Any]:
-    if isinstance(text, (bytes, bytearray)):
-        try:
-            text = bytes(text).decode("utf-8")
-        except UnicodeDecodeError:
-            return UNDECODABLE, None
-    if not isinstance(text, str):
-        return MALFORMED, None
-    if not text.strip():
-        return EMPTY, None
-    return OK, text
-
-
 class _LineFileSource(Source):
     """Files where every line starting inside a shard's byte range is one of its documents."""
 
     coords_are_bytes = True
-    extensions: tuple[str, ...] = ()
 
     def __init__(self, spec, index, opts):
         super().__init__(spec, index, opts)
@@ -462,7 +325,7 @@ class TextSource(_LineFileSource):
     def decode(self, payload):
         if self.partition != "modulo":
             payload = payload.rstrip(b"\r\n")
-        return _text_status(payload)
+        return text_status(payload)
 
 
 class _ColumnSource(Source):
@@ -471,16 +334,17 @@ class _ColumnSource(Source):
     def decode(self, payload):
         if payload is None:
             return MALFORMED, None
-        return _text_status(payload)
+        return text_status(payload)
 
 
 class ParquetSource(_ColumnSource):
     kind = "parquet"
+    extensions = (".parquet",)
 
     def __init__(self, spec, index, opts):
         super().__init__(spec, index, opts)
         pq = _import_pyarrow_parquet(spec)
-        self.units = expand_files(spec, (".parquet",))
+        self.units = expand_files(spec, self.extensions)
         for path in self.units:
             meta = pq.ParquetFile(path)
             if opts.text_field not in meta.schema_arrow.names:
@@ -647,17 +511,8 @@ class HFSource(_ColumnSource):
         return (self.index << 56) | (shard << 40) | (coord & ((1 << 40) - 1))
 
 
-def _import_pyarrow(spec: SourceSpec):
-    try:
-        import pyarrow
-        import pyarrow.ipc  # noqa: F401
-    except ImportError:
-        raise ConfigError(f"{spec.key}: reading {spec.kind} files needs pyarrow: pip install pyarrow") from None
-    return pyarrow
-
-
 def _import_pyarrow_parquet(spec: SourceSpec):
-    _import_pyarrow(spec)
+    import_pyarrow(spec)
     import pyarrow.parquet as pq
 
     return pq
@@ -671,3 +526,23 @@ def _import_datasets(spec: SourceSpec):
             f"{spec.key}: the hf source kind needs the Hugging Face 'datasets' package: pip install datasets"
         ) from None
     return datasets
+
+
+# The source kinds, in the order error messages list them: a kind's name is its class's ``kind``, and a bare
+# path is this kind when it ends with one of the class's ``extensions``.
+KINDS: dict[str, type[Source]] = {cls.kind: cls for cls in (
+    JsonlSource, TextSource, ParquetSource, ArrowSource, TokenSource, HFSource, MegatronSource, NumpySource)}
+
+
+def _kind_of_suffix(suffix: str) -> str | None:
+    """The kind whose files end with ``suffix`` (a bare path's kind), from the table."""
+    return next((kind for kind, cls in KINDS.items() if suffix in cls.extensions), None)
+
+
+def build_source(spec: SourceSpec, index: int, opts: SourceOptions) -> Source:
+    """Resolve a spec to a Source; a missing file or a glob matching nothing is a ConfigError naming it,
+    damaged token files a DataError."""
+    cls = KINDS.get(spec.kind)
+    if cls is None:
+        raise ConfigError(f"{spec.key}: unknown source kind {spec.kind!r}; kinds: {', '.join(KINDS)}")
+    return cls(spec, index, opts)
