@@ -86,32 +86,31 @@ def test_training_and_simulate_reach_the_shared_functions():
     assert {"build_stages", "schedule_of"} <= simulate_pipeline  # build_schedule's two halves
 
 
-# A small layout each: FSDP with TP (forward_backward, loss parallel), and FSDP under a 1F1B pipeline of 2
-# micro-batches (forward_backward_pipeline: torch's stage holds FSDP's gradient reduction back until the last
-# micro-batch). 4 ranks each; ranks compared: the first and the last.
+# Two small layouts: TP on 2 ranks (forward_backward, loss parallel; the ranks alike, the last compared), and
+# FSDP under a 1F1B pipeline of 2 micro-batches on 4 (forward_backward_pipeline: torch's stage holds FSDP's
+# gradient reduction back until the last micro-batch; the first and the last stage compared).
 LAYOUTS = {
-    "fsdp_tp": ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
-    "pp_fsdp": ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.pipeline_parallel_degree", "2",
-                "--parallelism.pipeline_parallel_schedule", "1F1B",
-                "--parallelism.pipeline_parallel_microbatch_size", "1"],
+    "tp": (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"], [1]),
+    "pp_fsdp": (4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.pipeline_parallel_degree", "2",
+                    "--parallelism.pipeline_parallel_schedule", "1F1B",
+                    "--parallelism.pipeline_parallel_microbatch_size", "1"], [0, 3]),
 }
 COMMON = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--training.global_batch_size", "-1",
           "--parallelism.data_parallel_replicate_degree", "1"]
-WORLD = 4
 
 
-def _simulated(overrides: list[str], rank: int) -> dict:
+def _simulated(overrides: list[str], world_size: int, rank: int) -> dict:
     """In a spawned child (a fake world leaves caches behind): the simulated figures of ``rank``."""
     from tests.support.real_step import config_and_args
     from trainer.tools.simulate import world
     from trainer.tools.simulate.cli import simulate_role
 
     config, args = config_and_args(overrides)
-    layout = world.check_layout(config, args, WORLD)
-    return simulate_role(config, args, layout, WORLD, rank, "rank", quiet=True)
+    layout = world.check_layout(config, args, world_size)
+    return simulate_role(config, args, layout, world_size, rank, "rank", quiet=True)
 
 
-def _real(overrides: list[str], folder: Path) -> dict[int, dict]:
+def _real(overrides: list[str], world_size: int, folder: Path) -> dict[int, dict]:
     import json
     import os
     import sys
@@ -119,21 +118,23 @@ def _real(overrides: list[str], folder: Path) -> dict[int, dict]:
     from tests.support.processes import run
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "LOGLEVEL": "WARNING"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world_size),
            "-m", "tests.support.real_step", str(folder), *overrides]
     done = run(cmd, cwd=ROOT, env=env, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return {r: json.loads((folder / f"rank_{r}.json").read_text()) for r in range(WORLD)}
+    return {r: json.loads((folder / f"rank_{r}.json").read_text()) for r in range(world_size)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_a_simulated_rank_measures_what_the_real_step_does(layout, tmp_path):
-    overrides = COMMON + LAYOUTS[layout]
-    real = _real(overrides, tmp_path)
+    world_size, overrides, ranks = LAYOUTS[layout]
+    overrides = COMMON + overrides
+    real = _real(overrides, world_size, tmp_path)
     context = multiprocessing.get_context("spawn")
-    for rank in (0, WORLD - 1):
+    for rank in ranks:
         with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-            sim = pool.submit(_simulated, overrides, rank).result()
+            sim = pool.submit(_simulated, overrides, world_size, rank).result()
         got = real[rank]
         # The same ops: FLOPs per phase, every collective and point-to-point transfer (kind, group, count,
         # bytes), the persistent state to the byte.
