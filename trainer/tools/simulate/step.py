@@ -12,14 +12,15 @@
 * Collectives: every c10d and functional collective the rank issues, by kind, process group (the mesh
   dimension) and bytes. Bytes are the collective's full buffer: the gathered output of an all-gather, the
   unreduced input of a reduce-scatter, the tensor of an all-reduce; a ring moves (n-1)/n of that per rank.
-  Pipeline sends and receives are counted where the step driver makes them (see ``_step_pipeline``).
+  Pipeline sends and receives count the same way (one tensor each).
 
 The step is the trainer's own (trainer/step.py: ``forward_backward`` or ``forward_backward_pipeline``, then
 ``clip_and_step``) for one micro-batch, or with pipelining one local batch of micro-batches, in steady state:
 the optimizer state exists before the step (created by an untracked step with zero gradients), as it does from
 the second step of a run on. With pipelining, ``forward_backward_pipeline`` runs torch's schedule and stage
-as training builds them (trainer/parallel/pipeline.py); their point-to-point sends and receives go over the
-fake pp group and are counted like the collectives.
+as training builds them (trainer/parallel/pipeline.py; world.py gives each stage the metadata its fake
+neighbours cannot). The same function measures a real rank: tests/support/real_step.py runs it over gloo
+(``mode`` a null context) for tests/unit/test_step_shared.py to compare.
 """
 
 from __future__ import annotations
