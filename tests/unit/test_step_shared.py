@@ -144,8 +144,8 @@ def test_a_simulated_rank_measures_what_the_real_step_does(layout, tmp_path):
             for bucket in ("params", "grads", "optimizer"):
                 assert sim["memory"][moment][bucket] == got["memory"][moment][bucket], (rank, moment, bucket)
         # The peak: the real one is the simulated one plus at most the reduce-scatter inputs alive at it. A
-        # fake process group's collective completes at once and lets go of its input, where gloo (and NCCL)
-        # hold it until the work is waited for (found by this test: up to 12 % of these small peaks).
+        # fake process group's collective completes at once and lets go of its input; over gloo the input
+        # is still alive at the real peak (found by this test: up to 12 % of these small peaks).
         sim_peak, real_peak = sim["memory"]["peak"]["total"], got["memory"]["peak"]["total"]
         held = got["peak_by_type"].get("Reduce Scatter", 0)
         assert sim_peak <= real_peak <= sim_peak + held, (rank, sim_peak, real_peak, held)
