@@ -5,7 +5,8 @@ of a rank's model parts, which both training and ``trainer simulate`` call.
 parallelization and materialisation. What differs between the two callers is a parameter, not a copy:
 training materialises on its device and initialises the weights, and builds the pipeline schedule; the
 simulator materialises fake tensors (``materialize_in`` its ``FakeTensorMode``), skips initialisation (values
-change no shape, memory or communication) and drives the stages itself (no schedule: its peers are fake).
+change no shape, memory or communication) and builds the stages and schedule from build_schedule's halves
+(trainer/parallel/pipeline.py), giving each stage the metadata its fake neighbours cannot.
 """
 
 from __future__ import annotations

@@ -94,6 +94,9 @@ def test_pipeline_fsdp_tp_stages():
       "--training.local_batch_size", "8"], "every stage needs a layer"),
     (["--parallelism.data_parallel_shard_degree", "8", "--training.global_batch_size", "100"],
      "must be a multiple of"),
+    (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "4",
+      "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--training.local_batch_size", "2"],
+     "runs the single-stage pipeline schedules"),
 ])
 def test_layouts_out_of_reach_refuse_in_one_line(overrides, message, capsys):
     ngpu = {"3": "6", "8": "8"}.get(overrides[1], "8")

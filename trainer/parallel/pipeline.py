@@ -39,26 +39,44 @@ def build_stage_model(template: nn.Module, names: list[str]) -> nn.Module:
 
 
 def schedule_microbatches(config: JobConfig) -> int:
-    """Micro-batches the schedule splits each local batch into (what :func:`build_schedule` gives it)."""
+    """Micro-batches the schedule splits each local batch into (what :func:`schedule_of` gives it)."""
     return n_microbatches(config, schedule_name(config.parallelism.pipeline_parallel_schedule))
+
+
+def build_stages(stage_modules: list[nn.Module], stage_ids: list[int], num_stages: int, pp_mesh: DeviceMesh,
+                 device: torch.device, examples: list[tuple] | None = None) -> list:
+    """This rank's ``PipelineStage``s, one per stage module, over the mesh's pipeline group.
+
+    ``examples``: per stage, an example input and output (``PipelineStage``'s static metadata). Training gives
+    none: the schedule's first step infers them with the neighbouring stages. ``trainer simulate`` gives them,
+    its neighbours being fake."""
+    from torch.distributed.pipelining import PipelineStage
+
+    examples = examples or [(None, None)] * len(stage_modules)
+    return [PipelineStage(m, i, num_stages, device, input_args=x, output_args=y, group=pp_mesh.get_group())
+            for m, i, (x, y) in zip(stage_modules, stage_ids, examples)]
+
+
+def schedule_of(stages: list, config: JobConfig, loss_fn):
+    """The configured schedule over this rank's ``stages`` (from :func:`build_stages`), calling ``loss_fn``
+    on each micro-batch the last stage finishes."""
+    import torch
+    from torch.distributed.pipelining import schedules
+
+    name = schedule_name(config.parallelism.pipeline_parallel_schedule)
+    cls = getattr(schedules, SCHEDULES[name], None)
+    if cls is None:
+        raise ConfigError(f"schedule {name} is not available in this torch version ({torch.__version__})")
+    n_micro = n_microbatches(config, name)
+    # Gradients are already normalised by the loss (tokens of the whole step): no extra scaling.
+    return cls(stages[0] if name in SINGLE_STAGE else stages, n_microbatches=n_micro, loss_fn=loss_fn,
+               scale_grads=False)
 
 
 def build_schedule(stage_modules: list[nn.Module], stage_ids: list[int], num_stages: int, pp_mesh: DeviceMesh,
                    device: torch.device, config: JobConfig, loss_fn):
     """The schedule driving this rank's stages."""
-    import torch
-    from torch.distributed.pipelining import PipelineStage, schedules
-
-    name = schedule_name(config.parallelism.pipeline_parallel_schedule)
-    stages = [PipelineStage(m, i, num_stages, device, group=pp_mesh.get_group())
-              for m, i in zip(stage_modules, stage_ids)]
-    cls = getattr(schedules, SCHEDULES[name], None)
-    if cls is None:
-        raise ConfigError(f"schedule {name} is not available in this torch version ({torch.__version__})")
-    n_micro = schedule_microbatches(config)
-    # Gradients are already normalised by the loss (tokens of the whole step): no extra scaling.
-    return cls(stages[0] if name in SINGLE_STAGE else stages, n_microbatches=n_micro, loss_fn=loss_fn,
-               scale_grads=False)
+    return schedule_of(build_stages(stage_modules, stage_ids, num_stages, pp_mesh, device), config, loss_fn)
 
 
 def bubble_fraction(schedule: str, pp: int, n_micro: int, stages_per_rank: int = 1) -> float:

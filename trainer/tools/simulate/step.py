@@ -12,15 +12,15 @@
 * Collectives: every c10d and functional collective the rank issues, by kind, process group (the mesh
   dimension) and bytes. Bytes are the collective's full buffer: the gathered output of an all-gather, the
   unreduced input of a reduce-scatter, the tensor of an all-reduce; a ring moves (n-1)/n of that per rank.
-  Pipeline sends and receives are counted where the step driver makes them (see ``_step_pipeline``).
+  Pipeline sends and receives count the same way (one tensor each).
 
-The step is the trainer's own (trainer/step.py: ``forward_backward``, ``clip_and_step``) for one
-micro-batch, in steady state: the optimizer state exists before the step (created by an untracked step with
-zero gradients), as it does from the second step of a run on. With pipelining, the rank's stage runs the
-micro-batches in the order of torch's ``Schedule1F1B`` or ``ScheduleGPipe``, with the trainer's
-``PipelineLoss`` on the last stage, and hands FSDP its gradients the way ``PipelineStage`` does (no
-reduction until the last micro-batch's backward, then one reduce-scatter); the real schedule object is not
-used because its metadata handshake needs real peers.
+The step is the trainer's own (trainer/step.py: ``forward_backward`` or ``forward_backward_pipeline``, then
+``clip_and_step``) for one micro-batch, or with pipelining one local batch of micro-batches, in steady state:
+the optimizer state exists before the step (created by an untracked step with zero gradients), as it does from
+the second step of a run on. With pipelining, ``forward_backward_pipeline`` runs torch's schedule and stage
+as training builds them (trainer/parallel/pipeline.py; world.py gives each stage the metadata its fake
+neighbours cannot). The same function measures a real rank: tests/support/real_step.py runs it over gloo
+(``mode`` a null context) for tests/unit/test_step_shared.py to compare.
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from trainer import step as steps
+from trainer import torch_compat
 from trainer.tools.simulate.world import SIM_DEVICE, Layout, RankView, group_labels
 
 # --------------------------------------------------------------------------------------------------
@@ -76,27 +76,31 @@ COLLECTIVES: dict[str, tuple[str, int | str]] = {
 }
 
 
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item)
+
+
 def _nbytes(obj) -> int:
-    return sum(t.numel() * t.element_size() for t in tree_leaves(obj) if isinstance(t, torch.Tensor))
+    return sum(t.numel() * t.element_size() for t in _tensors(obj))
 
 
-def _process_group(args):
-    """The process group of a collective's arguments: a boxed c10d ProcessGroup or a group name."""
-    from torch._C._distributed_c10d import ProcessGroup, _resolve_process_group
-
+def _group_name(args, known: dict) -> str | None:
+    """The process group of a collective's arguments (a boxed c10d ProcessGroup, or a group name among
+    ``known``), by name."""
     for a in args:
-        if isinstance(a, ProcessGroup):
-            return a
+        if isinstance(a, dist.ProcessGroup):
+            return a.group_name
         if isinstance(a, torch.ScriptObject):
             try:
-                return ProcessGroup.unbox(a)
+                return dist.ProcessGroup.unbox(a).group_name
             except Exception:  # another script object
                 continue
-        if isinstance(a, str):
-            try:
-                return _resolve_process_group(a)
-            except Exception:  # a reduce-op name such as "sum"
-                continue
+        if isinstance(a, str) and a in known:  # other strings are reduce-op names such as "sum"
+            return a
     return None
 
 
@@ -107,17 +111,16 @@ def _flop_formulas() -> dict:
         sdpa_flop_count,
     )
 
-    aten = torch.ops.aten
-
     def cpu_sdpa(q, k, v, *args, out_val=None, **kwargs):
         return sdpa_flop_count(q.shape, k.shape, v.shape)
 
     def cpu_sdpa_backward(grad_out, q, k, v, *args, out_val=None, **kwargs):
         return sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape)
 
+    forward, backward = torch_compat.cpu_flash_attention_ops()
     formulas = dict(flop_registry)
-    formulas[aten._scaled_dot_product_flash_attention_for_cpu] = cpu_sdpa
-    formulas[aten._scaled_dot_product_flash_attention_for_cpu_backward] = cpu_sdpa_backward
+    formulas[forward] = cpu_sdpa
+    formulas[backward] = cpu_sdpa_backward
     return formulas
 
 
@@ -136,14 +139,15 @@ class Phase:
             self.name = previous
 
 
-class StepCounter(TorchDispatchMode):
+class StepCounter(torch_compat.dispatch_mode_base()):
     """FLOPs and collectives of the ops this rank runs on its local tensors (DTensor ops are let through
-    to be counted once they are unwrapped into local ones)."""
+    to be counted once they are unwrapped into local ones). ``groups`` maps a process group's name to its
+    label (the mesh dimension) and size."""
 
-    def __init__(self, phase: Phase, labels: dict[str, str]):
+    def __init__(self, phase: Phase, groups: dict[str, tuple[str, int]]):
         super().__init__()
         self.phase = phase
-        self.labels = labels
+        self.groups = groups
         self.formulas = _flop_formulas()
         self.flops: dict[str, int] = defaultdict(int)
         # (phase, kind, group label, group size) -> [count, bytes]
@@ -159,17 +163,14 @@ class StepCounter(TorchDispatchMode):
             return NotImplemented
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        formula = self.formulas.get(func._overloadpacket)
+        formula = self.formulas.get(func.overloadpacket)
         if formula is not None:
             self.flops[self.phase.name] += int(formula(*args, **kwargs, out_val=out))
-        spec = COLLECTIVES.get(func._schema.name)
+        spec = COLLECTIVES.get(func.name().split(".")[0])
         if spec is not None:
             kind, where = spec
-            pg = _process_group(args)
-            name = pg.group_name if pg is not None else "?"
-            size = pg.size() if pg is not None else 0
-            self.record(kind, self.labels.get(name, f"group of {size}"), size,
-                        _nbytes(out if where == "out" else args[where]))
+            label, size = self.groups.get(_group_name(args, self.groups), ("?", 0))
+            self.record(kind, label, size, _nbytes(out if where == "out" else args[where]))
         return out
 
 
@@ -198,31 +199,11 @@ def buckets(snapshot: dict) -> dict[str, int]:
 
 def make_tracker(view: RankView, phase: Phase):
     """FSDPMemTracker for an FSDP model part, MemTracker otherwise; both also keep each phase's peak."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
 
-    class PhasePeaks:
-        # Replaces MemTracker._update_peak_stats, which after every op also walks every module's statistics
-        # (a cost that grows with the square of the depth); only the overall and per-phase peaks are kept.
-        def _update_peak_stats(self, peak_state) -> None:
-            for dev, snap in self._curr_mem_snap.items():
-                total = snap["Total"]
-                if self._peak_mem.get(dev, 0) < total:
-                    self._peak_mem[dev] = total
-                    self._peak_mem_snap[dev] = dict(snap)
-                best = self.phase_peaks.get(phase.name)
-                if best is None or total > best["Total"]:
-                    self.phase_peaks[phase.name] = dict(snap)
-
     part = view.parts[0]
-    if isinstance(part, FSDPModule):
-        tracker = type("SimFSDPMemTracker", (PhasePeaks, FSDPMemTracker), {})(part, view.optimizer)
-    else:
-        tracker = type("SimMemTracker", (PhasePeaks, MemTracker), {})()
-        tracker.track_external(*view.parts, view.optimizer)
-    tracker.phase_peaks = {}
-    return tracker
+    return torch_compat.phase_memory_tracker(part if isinstance(part, FSDPModule) else None, view.parts,
+                                             view.optimizer, lambda: phase.name)
 
 
 def _current(tracker) -> dict[str, int]:
@@ -273,100 +254,36 @@ def _step_plain(view: RankView, config, batch, phase: Phase) -> None:
                                loss_fn=steps.loss_fn, mark=lambda name: phase("forward" if name == "loss" else name))
 
 
-def schedule_order(schedule: str, stage: int, num_stages: int, n_micro: int) -> list[tuple[str, int]]:
-    """The (F|B, micro-batch) order one stage runs: torch's ScheduleGPipe, or Schedule1F1B (warm-up of
-    ``num_stages - stage`` forwards, then one backward and one forward in turn, then the remaining
-    backwards)."""
-    if schedule == "GPipe":
-        return [("F", i) for i in range(n_micro)] + [("B", i) for i in range(n_micro)]
-    warmup = min(n_micro, num_stages - stage)
-    order = [("F", i) for i in range(warmup)]
-    fwd, bwd = warmup, 0
-    while bwd < n_micro:
-        order.append(("B", bwd))
-        bwd += 1
-        if fwd < n_micro:
-            order.append(("F", fwd))
-            fwd += 1
-    return order
-
-
-def _fsdp_reduce_grads(part) -> None:
-    """What ``PipelineStage.perform_reduce_grad`` does after the last micro-batch: reduce-scatter every
-    FSDP group's accumulated gradient once, then reshard."""
-    from torch.distributed.fsdp import fully_shard
-
-    part.set_is_last_backward(True)
-    part.set_reshard_after_backward(True)
-    part.set_requires_gradient_sync(True)
-    state = fully_shard.state(part)
-    for s in state._state_ctx.all_states:
-        groups = getattr(s, "_fsdp_param_groups", None)  # older torch: one group per state
-        for group in groups if groups is not None else [s._fsdp_param_group]:
-            if group is not None:
-                group.post_backward()
-    state._root_post_backward_final_callback()
-
-
-def _step_pipeline(view: RankView, config, layout: Layout, batch, phase: Phase, counter: StepCounter,
-                   tracker) -> None:
-    """One local batch through this rank's pipeline stage, micro-batch by micro-batch, in the schedule's
-    order. A stage that is not first receives fake activations of its input's shape; one that is not last
-    receives a fake gradient of its output's shape. Sends and receives are counted as the schedule
-    would make them (one tensor each way per micro-batch, on the pp group)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    part = view.parts[0]
-    stage = view.stage_ids[0]
+def _step_pipeline(view: RankView, config, batch, phase: Phase, tracker) -> None:
+    """The trainer's ``forward_backward_pipeline`` with the rank's schedule (built in world.py by the trainer's
+    pipeline code). The stage's ``forward_one_chunk``, ``backward_one_chunk`` and ``perform_reduce_grad``
+    are marked for the phases (the loss the schedule computes after a forward counts as forward)."""
     inputs, labels = batch
-    mb, n_micro = config.parallelism.pipeline_parallel_microbatch_size, layout.microbatches
-    seq = inputs.shape[1] // (max(1, view.dims.tp))
-    act_dtype = view.compute_dtype if view.dims.fsdp_enabled else torch.float32
-    fsdp = isinstance(part, FSDPModule)
-    pipeline_loss = steps.PipelineLoss(steps.loss_fn)
-    pipeline_loss.tokens_per_rank = labels.numel()
-    parallel_loss = _parallel_loss(view, config)
-    pp_size = view.dims.pp
-    live: dict[int, tuple] = {}
-    for op, i in schedule_order(layout.schedule, stage, view.num_stages, n_micro):
-        rows = slice(i * mb, (i + 1) * mb)
-        if op == "F":
-            if i > 0:  # FSDPMemTracker keeps per-module statistics for one forward at a time
-                tracker.reset_mod_stats()
-            with phase("forward"):
-                if view.first:
-                    x = inputs[rows]
-                else:
-                    x = torch.empty(mb, seq, part.args.dim, dtype=act_dtype, device=SIM_DEVICE).requires_grad_()
-                    counter.record("recv", "pp", pp_size, _nbytes(x))
-                with _autocast(view):
-                    out = part(x)
-                if view.last:
-                    with steps.loss_parallel(parallel_loss):
-                        out = pipeline_loss(out, labels[rows])
-                else:
-                    counter.record("send", "pp", pp_size, _nbytes(out))
-            live[i] = (x, out)
-            continue
-        x, out = live.pop(i)
-        if fsdp:  # PipelineStage.backward_maybe_with_nosync
-            part.set_is_last_backward(False)
-            part.set_reshard_after_backward(False)
-            part.set_requires_gradient_sync(False)
-        with phase("backward"):
-            if view.last:
-                with steps.loss_parallel(parallel_loss):
-                    out.backward()
-            else:
-                grad = torch.empty_like(out)
-                counter.record("recv", "pp", pp_size, _nbytes(grad))
-                out.backward(grad)
-            if not view.first:
-                counter.record("send", "pp", pp_size, _nbytes(x))
-        del x, out
-    if fsdp:
-        with phase("backward"):
-            _fsdp_reduce_grads(part)
+    stage = view.stage
+    forwards = [0]
+
+    def marked(method, name: str):
+        def run(*args, **kwargs):
+            if name == "forward":
+                if forwards[0]:  # FSDPMemTracker keeps per-module statistics for one forward at a time
+                    tracker.reset_mod_stats()
+                forwards[0] += 1
+            phase.name = name
+            return method(*args, **kwargs)
+        return run
+
+    names = {"forward_one_chunk": "forward", "backward_one_chunk": "backward", "perform_reduce_grad": "backward"}
+    for method, name in names.items():
+        setattr(stage, method, marked(getattr(stage, method), name))
+    try:
+        with phase("forward"):
+            steps.forward_backward_pipeline(view.schedule, [{"input": inputs, "labels": labels}],
+                                            pipeline_loss=view.pipeline_loss, device=SIM_DEVICE,
+                                            autocast=_autocast(view), parallel_loss=_parallel_loss(view, config),
+                                            has_first=view.first, has_last=view.last)
+    finally:
+        for method in names:
+            delattr(stage, method)  # the class's methods again
 
 
 def _clip_and_step(view: RankView, config) -> None:
@@ -406,7 +323,7 @@ def run_step(view: RankView, config, args, layout: Layout, mode,
             if view.dims.pp == 1:
                 _step_plain(view, config, batch, phase)
             else:
-                _step_pipeline(view, config, layout, batch, phase, counter, tracker)
+                _step_pipeline(view, config, batch, phase, tracker)
             result.memory["after_backward"] = _current(tracker)
             with phase("optimizer"):
                 if on_phase:

@@ -8,7 +8,11 @@ pipeline stage, ``parallelize`` with TP, activation checkpointing, FSDP2/HSDP, `
 * ``to_empty`` runs under ``FakeTensorMode``: parameters, gradients and optimizer state are fake tensors
   (shape, dtype, no storage), so a 405B model's shards cost nothing.
 * No weight initialisation (``init_weights``): values do not change shapes, memory or communication.
-* No pipeline schedule: the step drives the stage itself (the schedule's handshake needs real peers).
+* With pipelining, the stage and the schedule come from trainer/parallel/pipeline.py (``build_stages``,
+  ``schedule_of``: what training's ``build_schedule`` runs) with the trainer's ``PipelineLoss``, and the step
+  runs that schedule. Its first step's handshake with the neighbouring stages (a vote, then the shapes of
+  the activations they pass) needs real peers, so each stage is given its example input and output
+  (:func:`stage_examples`: static metadata) and agrees the vote alone (``torch_compat.agree_pipeline_vote``).
 * ``torch.compile``, float8 and async TP are switched off (they need a GPU); the step is eager bf16, the
   regime ``trainer plan`` models.
 """
@@ -31,8 +35,9 @@ from trainer.parallel import clean_fqn
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.parallelize import DTYPES
 from trainer.parallel.config import SINGLE_STAGE, StagePlan, plan_stages, schedule_name
-from trainer.parallel.pipeline import n_microbatches
-from trainer import setup
+from trainer.parallel.pipeline import build_stages, n_microbatches, schedule_of
+from trainer import setup, torch_compat
+from trainer import step as steps
 
 SIM_DEVICE = "cpu"  # the fake tensors' device; nothing is allocated on it
 
@@ -119,49 +124,17 @@ def role_ranks(dims: ParallelDims) -> list[tuple[str, int]]:
 @contextlib.contextmanager
 def fake_process_group(world_size: int, rank: int):
     """This process is ``rank`` of ``world_size`` over torch's fake process group (no communication)."""
-    from torch.testing._internal.distributed.fake_pg import (
-        FakeStore,  # registers the "fake" backend
-    )
-
     if dist.is_initialized():
         raise RuntimeError("trainer simulate needs a process without a process group")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=torch_compat.register_fake_backend(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
 
 
-@contextlib.contextmanager
-def isolated_sharding_propagation():
-    """DTensor derives an op's output shape by running the op once on global-shape fake tensors, under the
-    fake mode it finds active: ours. Those phantom tensors are as large as the unsharded model (a 405B
-    optimizer step's worth), and memory trackers and counters would take them for real ones. Run that
-    propagation with the dispatch modes switched off, so it makes its own private fake mode."""
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    # The uncached function where torch has one (its lru-cached wrapper calls it), else the whole method.
-    name = next(n for n in ("_propagate_tensor_meta_non_cached", "_propagate_tensor_meta")
-                if hasattr(ShardingPropagator, n))
-    original = getattr(ShardingPropagator, name)
-
-    def isolated(self, op_schema):
-        with _disable_current_modes():
-            return original(self, op_schema)
-
-    setattr(ShardingPropagator, name, isolated)
-    try:
-        yield
-    finally:
-        setattr(ShardingPropagator, name, original)
-
-
-def fake_mode():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    # Non-fake inputs: to_empty turns the meta parameters into fake ones.
-    return FakeTensorMode(allow_non_fake_inputs=True)
+isolated_sharding_propagation = torch_compat.isolated_sharding_propagation
+fake_mode = torch_compat.fake_tensor_mode
 
 
 # --------------------------------------------------------------------------------------------------
@@ -181,6 +154,9 @@ class RankView:
     param_shapes: dict[str, tuple[int, ...]]  # this rank's parameters, full (unsharded) shapes
     optimizer: torch.optim.Optimizer
     compute_dtype: torch.dtype
+    stage: object | None = None  # with pipelining: torch's PipelineStage around parts[0]
+    schedule: object | None = None  # and the schedule over it, calling pipeline_loss
+    pipeline_loss: steps.PipelineLoss | None = None
 
     @property
     def first(self) -> bool:
@@ -209,19 +185,46 @@ def build_rank_view(config: JobConfig, args, layout: Layout, rank: int, mode) ->
     with mode:
         optimizer = build_optimizer([np for part in parts for np in part.named_parameters()], config.optimizer)
     coordinate = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
-    return RankView(rank=rank, coordinate=coordinate, dims=dims, mesh=mesh, parts=parts, stage_ids=built.stage_ids,
+    view = RankView(rank=rank, coordinate=coordinate, dims=dims, mesh=mesh, parts=parts, stage_ids=built.stage_ids,
                     num_stages=layout.num_stages, param_shapes=shapes, optimizer=optimizer,
                     compute_dtype=compute_dtype)
+    if built.stage_ids is not None:
+        view.pipeline_loss = steps.PipelineLoss(steps.loss_fn)
+        with mode:
+            examples = [stage_examples(config, args, dims, compute_dtype, i, layout.num_stages)
+                        for i in built.stage_ids]
+        stages = build_stages(parts, built.stage_ids, built.num_stages, mesh["pp"], torch.device(SIM_DEVICE),
+                              examples)
+        for stage in stages:
+            torch_compat.agree_pipeline_vote(stage)
+        view.stage, view.schedule = stages[0], schedule_of(stages, config, view.pipeline_loss)
+    return view
 
 
-def group_labels(view: RankView) -> dict[str, str]:
-    """Process-group name -> the mesh dimension it is (``tp``, ``dp_shard``, ``dp`` ...)."""
+def stage_examples(config: JobConfig, args, dims: ParallelDims, compute_dtype: torch.dtype, stage: int,
+                   num_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stage's example input and output for one micro-batch (fake tensors): the first takes token ids, the
+    others the hidden state the previous stage passes on (the micro-batch's rows, its sequence split over TP
+    by sequence parallel, the width; the compute dtype under FSDP's mixed precision, else float32 under
+    autocast), which every stage but the last passes on; the last gives the logits."""
+    mb, seq = config.parallelism.pipeline_parallel_microbatch_size, config.training.seq_len
+    dtype = compute_dtype if dims.fsdp_enabled else torch.float32
+    hidden = torch.empty(mb, seq // max(1, dims.tp), args.dim, dtype=dtype, device=SIM_DEVICE).requires_grad_()
+    tokens = torch.empty(mb, seq, dtype=torch.long, device=SIM_DEVICE)
+    logits = torch.empty(mb, seq, args.vocab_size, dtype=torch.float32, device=SIM_DEVICE)
+    return (tokens if stage == 0 else hidden), (logits if stage == num_stages - 1 else hidden)
+
+
+def group_labels(view: RankView) -> dict[str, tuple[str, int]]:
+    """Process-group name -> the mesh dimension it is (``tp``, ``dp_shard``, ``dp`` ...) and its size."""
     labels = {}
     mesh = view.mesh
     for name in mesh.mesh_dim_names:
-        labels[mesh.get_group(name).group_name] = name
+        group = mesh.get_group(name)
+        labels[group.group_name] = (name, group.size())
     dp_mesh = getattr(view.dims, "dp_mesh", None)
     if dp_mesh is not None:
-        labels.setdefault(dp_mesh.get_group().group_name, "dp")
-    labels.setdefault(dist.group.WORLD.group_name, "world")
+        group = dp_mesh.get_group()
+        labels.setdefault(group.group_name, ("dp", group.size()))
+    labels.setdefault(dist.group.WORLD.group_name, ("world", dist.get_world_size()))
     return labels

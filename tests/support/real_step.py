@@ -1,0 +1,112 @@
+"""One rank of a real gloo run of the trainer's step, measured as ``trainer simulate`` measures its fake one.
+
+    torchrun --standalone --nproc_per_node N tests/support/real_step.py OUT_FOLDER [--section.key value ...]
+
+Each rank builds its model parts as training does (``setup.build_model_parts`` on real tensors, initialised;
+with pipelining training's stages and schedule, whose first step infers the activations' shapes with the
+neighbouring ranks), runs a first step as training does (the optimizer state, the schedule's handshake), then the simulator's
+``run_step`` on real tensors: the steady-state step, measured by the simulator's own counters (FLOPs,
+collectives, memory tracker). Writes ``OUT_FOLDER/rank_R.json`` with the
+second step's figures. tests/unit/test_step_shared.py compares them with a simulated rank of the same layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from trainer import step as steps
+from trainer.config import load_config
+from trainer.models.llama.model import Transformer
+from trainer.optim.optimizer import build_optimizer
+from trainer.parallel import clean_fqn
+from trainer.parallel.parallelize import DTYPES
+from trainer.parallel.pipeline import build_stages, schedule_of
+from trainer.setup import build_model_parts
+from trainer.tools.plan.cli import model_args_for_plan
+from trainer.tools.simulate import world
+from trainer.tools.simulate.step import run_step
+
+from tests.support.launch import DEBUG_CONFIG
+
+N_LAYERS = 2
+
+
+def config_and_args(overrides: list[str]):
+    """The layout both runs take: the debug model with N_LAYERS blocks, bf16 compute, as simulate sees it."""
+    config = load_config(["--job.config_file", str(DEBUG_CONFIG), "--training.mixed_precision_param", "bfloat16",
+                          *overrides], env={})
+    config, _ = world.simulation_config(config)
+    args, _ = model_args_for_plan(config)
+    return config, dataclasses.replace(args, n_layers=N_LAYERS)
+
+
+def real_view(config, args, layout, rank: int) -> world.RankView:
+    """This rank's parts, optimizer and (with pipelining) stage and schedule, built as training builds them."""
+    dims = dataclasses.replace(layout.dims)
+    mesh = dims.build_mesh("cpu")
+    compute_dtype = DTYPES[config.training.mixed_precision_param]
+    with torch.device("meta"):
+        template = Transformer(args)
+    built = build_model_parts(template, config, dims, mesh, device=torch.device("cpu"), compute_dtype=compute_dtype,
+                              init_seed=0)
+    parts = built.parts
+    optimizer = build_optimizer([np for part in parts for np in part.named_parameters()], config.optimizer)
+    view = world.RankView(rank=rank, coordinate=dict(zip(mesh.mesh_dim_names, mesh.get_coordinate())), dims=dims,
+                          mesh=mesh, parts=parts, stage_ids=built.stage_ids, num_stages=layout.num_stages,
+                          param_shapes={clean_fqn(n): tuple(p.shape) for part in parts
+                                        for n, p in part.named_parameters()},
+                          optimizer=optimizer, compute_dtype=compute_dtype)
+    if built.stage_ids is not None:
+        view.pipeline_loss = steps.PipelineLoss(steps.loss_fn)
+        stages = build_stages(parts, built.stage_ids, built.num_stages, mesh["pp"], torch.device("cpu"))
+        view.stage, view.schedule = stages[0], schedule_of(stages, config, view.pipeline_loss)
+    return view
+
+
+def first_step(view: world.RankView, config, args) -> None:
+    """A run's first step, as training calls it, untracked (the schedule's handshake differentiates its
+    sample forward with ``autograd.grad``, which the memory tracker's hooks do not support)."""
+    batches = [{"input": torch.randint(0, args.vocab_size, (config.training.local_batch_size, config.training.seq_len)),
+                "labels": torch.randint(0, args.vocab_size, (config.training.local_batch_size, config.training.seq_len))}]
+    autocast = steps.autocast_context("cpu", view.compute_dtype, view.dims.fsdp_enabled)
+    parallel = steps.uses_loss_parallel(view.dims.tp, config.parallelism.disable_loss_parallel)
+    if view.schedule is None:
+        steps.forward_backward(view.parts[0], batches, device=torch.device("cpu"), autocast=autocast,
+                               parallel_loss=parallel)
+    else:
+        steps.forward_backward_pipeline(view.schedule, batches, pipeline_loss=view.pipeline_loss,
+                                        device=torch.device("cpu"), autocast=autocast, parallel_loss=parallel,
+                                        has_first=view.first, has_last=view.last)
+    pp_group = view.mesh["pp"].get_group() if view.dims.pp > 1 else None
+    steps.clip_and_step(view.parts, view.optimizer, max_norm=config.training.max_norm, pp_group=pp_group)
+
+
+def main(argv: list[str]) -> int:
+    out, overrides = Path(argv[0]), argv[1:]
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    config, args = config_and_args(overrides)
+    layout = world.check_layout(config, args, world_size)
+    dist.init_process_group("gloo")
+    try:
+        view = real_view(config, args, layout, rank)
+        torch.manual_seed(rank)
+        first_step(view, config, args)
+        result = run_step(view, config, args, layout, contextlib.nullcontext())
+    finally:
+        dist.destroy_process_group()
+    figures = {"memory": result.memory, "peak_by_type": result.peak_by_type, "flops": result.flops,
+               "collectives": result.collectives}
+    (out / f"rank_{rank}.json").write_text(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
