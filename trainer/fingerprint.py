@@ -35,15 +35,6 @@ def sequence_fingerprint(inputs, labels) -> int:
     return split_fingerprint(inputs, labels[:, -1])
 
 
-def window_fingerprint(windows: np.ndarray) -> int:
-    """The same fingerprint from the [B, S + 1] token windows a batch is cut from (inputs are [:, :-1], labels
-    [:, 1:])."""
-    seqs = np.asarray(windows)
-    if seqs.dtype != np.int64:
-        seqs = seqs.astype(np.int64)
-    return split_fingerprint(seqs[:, :-1], seqs[:, -1])
-
-
 def split_fingerprint(inputs: np.ndarray, last: np.ndarray) -> int:
     """The fingerprint from int64 inputs [B, S] and the last label of each sequence [B] (the windows without
     being put together: the wrapping sums are the same in any order)."""
