@@ -28,7 +28,7 @@ SHARED = {"loss_fn", "loss_parallel", "uses_loss_parallel", "autocast_context", 
           "forward_backward_pipeline", "pipeline_loss", "PipelineLoss", "clip_grad_norm", "clip_and_step",
           "global_loss", "build_model_parts", "apply_converters"}
 # Calls that would mean a step or a build written out again.
-INLINE = {"cross_entropy", "get_total_norm", "clip_grads_with_norm_", "clip_grad_norm_", "step_unless",
+INLINE = {"cross_entropy", "get_total_norm", "clip_grads_with_norm_", "clip_grad_norm_", "step_or_skip",
           "parallelize", "to_empty", "build_stage_model", "init_weights", "build_schedule", "PipelineStage",
           "Schedule1F1B", "ScheduleGPipe", "post_backward"}
 
