@@ -77,13 +77,14 @@ def random_batches(config, args) -> list[dict[str, torch.Tensor]]:
     return [{"input": torch.randint(0, args.vocab_size, shape), "labels": torch.randint(0, args.vocab_size, shape)}]
 
 
-def forward_backward(view: world.RankView, config, batches) -> None:
-    """The step's forward and backward as ``Trainer.train_step`` calls them."""
+def forward_backward(view: world.RankView, config, batches, mark=None) -> None:
+    """The step's forward and backward as ``Trainer.train_step`` calls them (``mark``: the profiler ranges'
+    context, here the measured phases)."""
     autocast = steps.autocast_context("cpu", view.compute_dtype, view.dims.fsdp_enabled)
     parallel = steps.uses_loss_parallel(view.dims.tp, config.parallelism.disable_loss_parallel)
     if view.schedule is None:
         steps.forward_backward(view.parts[0], batches, device=torch.device("cpu"), autocast=autocast,
-                               parallel_loss=parallel)
+                               parallel_loss=parallel, **({"mark": mark} if mark else {}))
     else:
         steps.forward_backward_pipeline(view.schedule, batches, pipeline_loss=view.pipeline_loss,
                                         device=torch.device("cpu"), autocast=autocast, parallel_loss=parallel,
@@ -110,10 +111,13 @@ def main(argv: list[str]) -> int:
         forward_backward(view, config, random_batches(config, args))
         clip_and_step(view, config)
         batches = random_batches(config, args)
-        with Measured(view, (batches[0]["input"], batches[0]["labels"])) as measured:
-            forward_backward(view, config, batches)
+        # As in the simulation, DTensor's sharding propagation stays out of what the counters see.
+        with world.isolated_sharding_propagation(), Measured(view, (batches[0]["input"], batches[0]["labels"])) \
+                as measured:
+            forward_backward(view, config, batches, mark=measured.mark)
             measured.record("after_backward")
-            clip_and_step(view, config)
+            with measured.phase("optimizer"):
+                clip_and_step(view, config)
             measured.record("after_step")
         result = measured.result()
     finally:
