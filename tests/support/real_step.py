@@ -1,18 +1,19 @@
 """One rank of a real gloo run of the trainer's step, measured as ``trainer simulate`` measures its fake one.
 
-    torchrun --standalone --nproc_per_node N tests/support/real_step.py OUT_FOLDER [--section.key value ...]
+    torchrun --standalone --nproc_per_node N -m tests.support.real_step OUT_FOLDER [--section.key value ...]
 
 Each rank builds its model parts as training does (``setup.build_model_parts`` on real tensors, initialised;
 with pipelining training's stages and schedule, whose first step infers the activations' shapes with the
-neighbouring ranks), runs a first step as training does (the optimizer state, the schedule's handshake), then the simulator's
-``run_step`` on real tensors: the steady-state step, measured by the simulator's own counters (FLOPs,
-collectives, memory tracker). Writes ``OUT_FOLDER/rank_R.json`` with the
-second step's figures. tests/unit/test_step_shared.py compares them with a simulated rank of the same layout.
+neighbouring ranks), runs a first step as training does (the optimizer state, the schedule's handshake), then
+a second one, the steady state, measured by the simulator's counters (``Measured``: FLOPs, collectives,
+memory tracker). Both steps call trainer/step.py as ``Trainer.train_step`` does, not through the simulator's
+step driver, so a simulator that drifts from training measures something else. Writes
+``OUT_FOLDER/rank_R.json`` with the second step's figures; tests/unit/test_step_shared.py compares them with a
+simulated rank of the same layout.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -32,7 +33,7 @@ from trainer.parallel.pipeline import build_stages, schedule_of
 from trainer.setup import build_model_parts
 from trainer.tools.plan.cli import model_args_for_plan
 from trainer.tools.simulate import world
-from trainer.tools.simulate.step import run_step
+from trainer.tools.simulate.step import Measured
 
 from tests.support.launch import DEBUG_CONFIG
 
@@ -71,20 +72,27 @@ def real_view(config, args, layout, rank: int) -> world.RankView:
     return view
 
 
-def first_step(view: world.RankView, config, args) -> None:
-    """A run's first step, as training calls it, untracked (the schedule's handshake differentiates its
-    sample forward with ``autograd.grad``, which the memory tracker's hooks do not support)."""
-    batches = [{"input": torch.randint(0, args.vocab_size, (config.training.local_batch_size, config.training.seq_len)),
-                "labels": torch.randint(0, args.vocab_size, (config.training.local_batch_size, config.training.seq_len))}]
+def random_batches(config, args) -> list[dict[str, torch.Tensor]]:
+    shape = (config.training.local_batch_size, config.training.seq_len)
+    return [{"input": torch.randint(0, args.vocab_size, shape), "labels": torch.randint(0, args.vocab_size, shape)}]
+
+
+def forward_backward(view: world.RankView, config, batches, mark=None) -> None:
+    """The step's forward and backward as ``Trainer.train_step`` calls them (``mark``: the profiler ranges'
+    context, here the measured phases)."""
     autocast = steps.autocast_context("cpu", view.compute_dtype, view.dims.fsdp_enabled)
     parallel = steps.uses_loss_parallel(view.dims.tp, config.parallelism.disable_loss_parallel)
     if view.schedule is None:
         steps.forward_backward(view.parts[0], batches, device=torch.device("cpu"), autocast=autocast,
-                               parallel_loss=parallel)
+                               parallel_loss=parallel, **({"mark": mark} if mark else {}))
     else:
         steps.forward_backward_pipeline(view.schedule, batches, pipeline_loss=view.pipeline_loss,
                                         device=torch.device("cpu"), autocast=autocast, parallel_loss=parallel,
                                         has_first=view.first, has_last=view.last)
+
+
+def clip_and_step(view: world.RankView, config) -> None:
+    """The step's clipping and optimizer step as ``Trainer.train_step`` calls them."""
     pp_group = view.mesh["pp"].get_group() if view.dims.pp > 1 else None
     steps.clip_and_step(view.parts, view.optimizer, max_norm=config.training.max_norm, pp_group=pp_group)
 
@@ -98,8 +106,20 @@ def main(argv: list[str]) -> int:
     try:
         view = real_view(config, args, layout, rank)
         torch.manual_seed(rank)
-        first_step(view, config, args)
-        result = run_step(view, config, args, layout, contextlib.nullcontext())
+        # The first step untracked: the schedule's handshake differentiates its sample forward with
+        # autograd.grad, which the memory tracker's hooks do not support.
+        forward_backward(view, config, random_batches(config, args))
+        clip_and_step(view, config)
+        batches = random_batches(config, args)
+        # As in the simulation, DTensor's sharding propagation stays out of what the counters see.
+        with world.isolated_sharding_propagation(), Measured(view, (batches[0]["input"], batches[0]["labels"])) \
+                as measured:
+            forward_backward(view, config, batches, mark=measured.mark)
+            measured.record("after_backward")
+            with measured.phase("optimizer"):
+                clip_and_step(view, config)
+            measured.record("after_step")
+        result = measured.result()
     finally:
         dist.destroy_process_group()
     figures = {"memory": result.memory, "peak_by_type": result.peak_by_type, "flops": result.flops,

@@ -4,10 +4,10 @@ A copy would let the simulator measure a step that no longer trains, so: neither
 simulate package defines a loss, a forward/backward, a gradient clip or a model-part builder of its own, or
 computes one inline (cross-entropy, total norm, parallelize, to_empty, a pipeline schedule); both reach the
 shared functions; and a simulated rank's figures are those of the same rank in a real run. The real run
-(tests/support/real_step.py, torchrun over gloo) builds as training builds, pipeline schedule included, and
-measures its second step with the simulator's own counters; a drift in what simulate runs (the schedule, the
-micro-batches, FSDP's gradient reduction, the stages' activations, a step function) changes its FLOPs,
-collectives or memory.
+(tests/support/real_step.py, torchrun over gloo) builds as training builds, pipeline schedule included, calls
+trainer/step.py as training does and measures its second step with the simulator's counters; a drift in what
+simulate runs (the schedule, the micro-batches, FSDP's gradient reduction, the stages' activations, a step
+function) changes its FLOPs, collectives or memory.
 """
 
 from __future__ import annotations
@@ -133,8 +133,8 @@ def test_a_simulated_rank_measures_what_the_real_step_does(layout, tmp_path):
     for rank in ranks:
         [sim] = children.call(_simulated, overrides, world_size, rank)
         got = real[rank]
-        # The same ops: FLOPs per phase, every collective and point-to-point transfer (kind, group, count,
-        # bytes), the persistent state to the byte.
+        # The same ops in the same phases: FLOPs, every collective and point-to-point transfer (kind, group,
+        # count, bytes), the persistent state to the byte.
         assert sim["flops"] == got["flops"], (rank, sim["flops"], got["flops"])
         assert sim["collectives"] == got["collectives"], (rank, sim["collectives"], got["collectives"])
         for moment in ("after_backward", "after_step"):

@@ -243,47 +243,22 @@ def prime_optimizer(view: RankView) -> None:
     view.optimizer.zero_grad(set_to_none=True)
 
 
-def _step_plain(view: RankView, config, batch, phase: Phase) -> None:
-    """The trainer's ``forward_backward`` for one micro-batch without pipelining. Its ranges are the phases,
-    the loss counting as forward; the loss total it keeps (two scalars, before the forward and after the
-    backward) counts as backward, where it adds no peak."""
+def _step_plain(view: RankView, config, batch, measured: Measured) -> None:
+    """The trainer's ``forward_backward`` for one micro-batch without pipelining, its ranges the phases."""
     inputs, labels = batch
-    with phase("backward"):
-        steps.forward_backward(view.parts[0], [{"input": inputs, "labels": labels}], device=SIM_DEVICE,
-                               autocast=_autocast(view), parallel_loss=_parallel_loss(view, config),
-                               loss_fn=steps.loss_fn, mark=lambda name: phase("forward" if name == "loss" else name))
+    steps.forward_backward(view.parts[0], [{"input": inputs, "labels": labels}], device=SIM_DEVICE,
+                           autocast=_autocast(view), parallel_loss=_parallel_loss(view, config),
+                           loss_fn=steps.loss_fn, mark=measured.mark)
 
 
-def _step_pipeline(view: RankView, config, batch, phase: Phase, tracker) -> None:
+def _step_pipeline(view: RankView, config, batch) -> None:
     """The trainer's ``forward_backward_pipeline`` with the rank's schedule (built in world.py by the trainer's
-    pipeline code). The stage's ``forward_one_chunk``, ``backward_one_chunk`` and ``perform_reduce_grad``
-    are marked for the phases (the loss the schedule computes after a forward counts as forward)."""
+    pipeline code)."""
     inputs, labels = batch
-    stage = view.stage
-    forwards = [0]
-
-    def marked(method, name: str):
-        def run(*args, **kwargs):
-            if name == "forward":
-                if forwards[0]:  # FSDPMemTracker keeps per-module statistics for one forward at a time
-                    tracker.reset_mod_stats()
-                forwards[0] += 1
-            phase.name = name
-            return method(*args, **kwargs)
-        return run
-
-    names = {"forward_one_chunk": "forward", "backward_one_chunk": "backward", "perform_reduce_grad": "backward"}
-    for method, name in names.items():
-        setattr(stage, method, marked(getattr(stage, method), name))
-    try:
-        with phase("forward"):
-            steps.forward_backward_pipeline(view.schedule, [{"input": inputs, "labels": labels}],
-                                            pipeline_loss=view.pipeline_loss, device=SIM_DEVICE,
-                                            autocast=_autocast(view), parallel_loss=_parallel_loss(view, config),
-                                            has_first=view.first, has_last=view.last)
-    finally:
-        for method in names:
-            delattr(stage, method)  # the class's methods again
+    steps.forward_backward_pipeline(view.schedule, [{"input": inputs, "labels": labels}],
+                                    pipeline_loss=view.pipeline_loss, device=SIM_DEVICE, autocast=_autocast(view),
+                                    parallel_loss=_parallel_loss(view, config), has_first=view.first,
+                                    has_last=view.last)
 
 
 def _clip_and_step(view: RankView, config) -> None:
@@ -299,6 +274,84 @@ def fake_batch(config, args):
     return inputs, labels
 
 
+class Measured:
+    """The simulator's counters around one step of ``view``'s rank: the memory tracker (with each phase's
+    peak), FLOPs and collectives. ``inputs`` are the step's batch tensors (counted as inputs); ``record(name)``
+    keeps the memory at that moment; ``result()`` is what was measured. The same counters measure a real
+    rank (tests/support/real_step.py).
+
+    Phases: ``forward_backward``'s ranges through ``mark`` (its ``mark`` argument; the loss counts as
+    forward, the loss total it keeps as backward, where it adds no peak); with pipelining the stage's
+    ``forward_one_chunk``, ``backward_one_chunk`` and ``perform_reduce_grad`` (the loss the schedule computes
+    after a forward counts as forward); ``phase("optimizer")`` around the optimizer step."""
+
+    def __init__(self, view: RankView, inputs, phase: Phase | None = None):
+        self.phase = phase or Phase()
+        self.tracker = make_tracker(view, self.phase)
+        self.counter = StepCounter(self.phase, group_labels(view))
+        if hasattr(self.tracker, "track_inputs"):  # FSDPMemTracker
+            self.tracker.track_inputs(inputs)
+        self.memory: dict[str, dict[str, int]] = {}
+        self._stack = contextlib.ExitStack()
+        self._part, self._stage = view.parts[0], view.stage
+        self._forwards = 0
+
+    def _before_forward(self, module, args) -> None:
+        # FSDPMemTracker keeps per-module statistics for one forward at a time; a pipeline stage runs one
+        # forward per micro-batch. (A global hook registered before the tracker's runs before it.)
+        if module is self._part:
+            if self._forwards:
+                self.tracker.reset_mod_stats()
+            self._forwards += 1
+
+    def mark(self, name: str):
+        """A phase for one of ``forward_backward``'s ranges."""
+        return self.phase("forward" if name == "loss" else name)
+
+    def _mark_stage(self, stage) -> None:
+        def marked(method, name: str):
+            def run(*args, **kwargs):
+                self.phase.name = name
+                return method(*args, **kwargs)
+            return run
+
+        names = {"forward_one_chunk": "forward", "backward_one_chunk": "backward",
+                 "perform_reduce_grad": "backward"}
+        for method, name in names.items():
+            setattr(stage, method, marked(getattr(stage, method), name))
+            self._stack.callback(delattr, stage, method)  # the class's method again
+
+    def __enter__(self) -> Measured:
+        hook = torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
+        self._stack.callback(hook.remove)
+        if self._stage is not None:
+            self._mark_stage(self._stage)
+        # Outside the marked ranges: forward_backward's loss total (backward), the schedule's first receive
+        # (forward).
+        self._stack.enter_context(self.phase("forward" if self._stage is not None else "backward"))
+        self._stack.enter_context(self.tracker)
+        self._stack.enter_context(self.counter)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.__exit__(*exc)
+
+    def record(self, name: str) -> None:
+        self.memory[name] = _current(self.tracker)
+
+    def result(self) -> StepResult:
+        peak = self.tracker.get_tracker_snapshot("peak")
+        peak = next(iter(peak.values())) if peak else {}
+        memory = dict(self.memory, peak=buckets(peak))
+        for name, snap in self.tracker.phase_peaks.items():
+            memory[f"peak_{name}"] = buckets(snap)
+        return StepResult(
+            memory=memory, peak_by_type={str(getattr(k, "value", k)): v for k, v in peak.items() if v},
+            flops=dict(self.counter.flops),
+            collectives=[{"phase": ph, "kind": kind, "group": group, "group_size": size, "count": c, "bytes": b}
+                         for (ph, kind, group, size), (c, b) in sorted(self.counter.collectives.items())])
+
+
 def run_step(view: RankView, config, args, layout: Layout, mode,
              on_block: Callable[[str], None] | None = None,
              on_phase: Callable[[str], None] | None = None) -> StepResult:
@@ -307,43 +360,30 @@ def run_step(view: RankView, config, args, layout: Layout, mode,
     forward starts and as its backward starts, ``on_phase(name)`` as the step enters another phase
     (progress)."""
     phase = Phase()
-    result = StepResult()
     handles = _progress_hooks(view, phase, on_block) if on_block else []
     with mode:
         batch = fake_batch(config, args)
         if on_phase:
             on_phase("setup")
         prime_optimizer(view)
-        tracker = make_tracker(view, phase)
-        counter = StepCounter(phase, group_labels(view))
-        if hasattr(tracker, "track_inputs"):  # FSDPMemTracker
-            tracker.track_inputs(batch)
+        measured = Measured(view, batch, phase)
         t0 = time.perf_counter()
-        with tracker, counter:
+        with measured:
             if view.dims.pp == 1:
-                _step_plain(view, config, batch, phase)
+                _step_plain(view, config, batch, measured)
             else:
-                _step_pipeline(view, config, batch, phase, tracker)
-            result.memory["after_backward"] = _current(tracker)
+                _step_pipeline(view, config, batch)
+            measured.record("after_backward")
             with phase("optimizer"):
                 if on_phase:
                     on_phase("optimizer")
                 _clip_and_step(view, config)
-            result.memory["after_step"] = _current(tracker)
-        result.seconds = time.perf_counter() - t0
+            measured.record("after_step")
+        seconds = time.perf_counter() - t0
     for h in handles:
         h.remove()
-    peak = tracker.get_tracker_snapshot("peak")
-    peak = next(iter(peak.values())) if peak else {}
-    result.memory["peak"] = buckets(peak)
-    result.peak_by_type = {str(getattr(k, "value", k)): v for k, v in peak.items() if v}
-    for name, snap in tracker.phase_peaks.items():
-        result.memory[f"peak_{name}"] = buckets(snap)
-    result.flops = dict(counter.flops)
-    result.collectives = [
-        {"phase": ph, "kind": kind, "group": group, "group_size": size, "count": c, "bytes": b}
-        for (ph, kind, group, size), (c, b) in sorted(counter.collectives.items())
-    ]
+    result = measured.result()
+    result.seconds = seconds
     return result
 
 
