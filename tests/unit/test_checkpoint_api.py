@@ -232,7 +232,7 @@ def _train_step(model, optimizer):
 
 
 def test_stage_copy_copies_every_tensor_once():
-    from trainer.checkpoint.saving import stage_copy
+    from trainer.checkpoint.background import stage_copy
 
     t, u = torch.arange(6.0).view(2, 3), torch.ones(2)
     state = {"a": t, "b": [t, (u, 3)], "c": b"pickled", "d": {"lr": 0.5}}
@@ -250,20 +250,20 @@ def test_async_save_commits_the_state_of_its_step(tmp_path, monkeypatch):
     though training changed the weights and moments while it was written."""
     import threading
 
-    from trainer.checkpoint import saving
+    from trainer.checkpoint import background
 
     config = _async_config(tmp_path)
     parts = _components(0)
     model, optimizer = parts["model_parts"][0], parts["optimizer"]
     _train_step(model, optimizer)
     manager = CheckpointManager(config, **parts)
-    gate, copy = threading.Event(), saving.stage_copy
+    gate, copy = threading.Event(), background.stage_copy
 
     def gated_copy(state, memo=None):
         gate.wait(10.0)  # a copy inside the call would make the call itself wait here
         return copy(state, memo)
 
-    monkeypatch.setattr(saving, "stage_copy", gated_copy)
+    monkeypatch.setattr(background, "stage_copy", gated_copy)
     parts["train_state"].step = 5
     weight, moment = model.weight.detach().clone(), optimizer.state[model.weight]["exp_avg"].clone()
     assert manager.save(5, asynchronous=True)
