@@ -226,7 +226,7 @@ def _async_config(tmp_path):
 
 
 def _train_step(model, optimizer):
-    model(torch.randn(2, 4)).sum().backward()
+    model(torch.randn(2, 4, device=model.weight.device)).sum().backward()
     optimizer.step()
     optimizer.zero_grad()
 
@@ -331,3 +331,38 @@ def test_space_check_scans_the_folder_only_when_a_save_may_not_fit(tmp_path, mon
     finally:
         logger.removeHandler(caplog.handler)
     assert "not enough disk space" in space.check(3, 120 * mib, warn=True)
+
+
+@pytest.mark.gpu
+def test_pinned_memory_async_saves_commit_the_state_of_their_step(tmp_path):
+    """async_with_pinned_mem on CUDA: the same background path, staged by DCP's stager into pinned buffers
+    reused from save to save; each committed checkpoint is the state of its step, bitwise, though the
+    weights changed while it was written."""
+    config = load_config(["--job.dump_folder", str(tmp_path), "--checkpoint.enable", "--training.steps", "10",
+                          "--checkpoint.interval", "5", "--checkpoint.async_mode", "async_with_pinned_mem"], env={})
+    parts = _components(0)
+    model = parts["model_parts"][0].cuda()
+    parts["optimizer"] = optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    parts["device"] = torch.device("cuda")
+    manager = CheckpointManager(config, **parts)
+    saved = {}
+    for step in (5, 10):
+        _train_step(model, optimizer)
+        parts["train_state"].step = step
+        saved[step] = model.weight.detach().cpu().clone()
+        assert manager.save(step, asynchronous=True)
+        _train_step(model, optimizer)  # its pre-step hook waits for the copy
+        with torch.no_grad():
+            model.weight.add_(1.0)  # during the background write
+    manager.finish()
+    assert manager.saves == 2 and manager.failures == 0
+    for step in (5, 10):
+        config.checkpoint.load_step = step
+        fresh = _components(1)
+        fresh["model_parts"][0].cuda()
+        fresh["optimizer"] = torch.optim.AdamW(fresh["model_parts"][0].parameters(), lr=1e-3)
+        fresh["device"] = torch.device("cuda")
+        resumed = CheckpointManager(config, **fresh)
+        resumed.load()
+        assert resumed.loaded_step == step
+        assert torch.equal(fresh["model_parts"][0].weight.cpu(), saved[step])

@@ -118,12 +118,12 @@ class BackgroundSave:
 
     target: SaveTarget
     writer: Any  # the storage writer: its checksums are gathered after the write
-    staging: Future = field(default_factory=Future)
-    upload: Future = field(default_factory=Future)
-    blocking_s: float = 0.0
-    done_s: float | None = None
-    _call_over: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
+    staging: Future = field(init=False, default_factory=Future)
+    upload: Future = field(init=False, default_factory=Future)
+    blocking_s: float = field(init=False, default=0.0)
+    done_s: float | None = field(init=False, default=None)
+    _call_over: threading.Event = field(init=False, repr=False, default_factory=threading.Event)
+    _thread: threading.Thread | None = field(init=False, repr=False, default=None)
 
     def start(self, state: dict, staging: Staging, write: Callable[[dict], Any]) -> None:
         """Run ``write(staging.stage(state))`` on a thread of its own; returns at once."""

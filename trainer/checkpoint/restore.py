@@ -180,7 +180,7 @@ class Restorer:
             state["model"] = c.model_state()
             mismatch, shared = compare_model(self.whole_model_shapes or model_shapes(state["model"]), entries)
             if mismatch and not self.cfg.partial_model_load:
-                raise IncompatibleCheckpoint(mismatch)  # not damage: every checkpoint of this run would fail the same way
+                raise IncompatibleCheckpoint(mismatch)  # not damage: every checkpoint of this run fails alike
             if mismatch:
                 # Asked for by name: the shared weights only; the optimizer's moments belong to the old
                 # model, so it starts fresh.
