@@ -22,7 +22,9 @@ def zip_crc32_off() -> Iterator[None]:
     (hashed while writing) covers every byte of every file, so while a writer runs the CRC is not computed
     (with checksum none too: nothing reads it). ``torch.serialization.set_crc32_options`` is a per-thread
     setting in torch 2.13 (a context variable), so other threads' ``torch.save`` keep their CRC; where a
-    torch keeps it process-wide, the setting is restored when the save ends, and saves never overlap."""
+    torch keeps it process-wide, the setting is restored when the save ends, and saves never overlap. With
+    ``checkpoint.save_threads`` > 1, the extra writer threads DCP starts do not inherit it and compute the
+    CRC (their files cost that CPU; nothing else changes)."""
     before = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
     try:
