@@ -8,8 +8,8 @@ through a ``CheckpointManager`` with ``async_mode = "async"``: one synchronous a
 untimed, then ``--repeats`` asynchronous saves. Each function of the save path is wrapped with
 ``time.perf_counter`` (only calls on the main thread are counted). Printed per save, in milliseconds: each
 phase inside the ``save(..., asynchronous=True)`` call, the call itself, the time until the state has been
-copied (what the next optimizer step waits for) and until the save is committed, and what ``maybe_save``'s
-poll costs the loop once the write is done. Needs about twice the checkpoint's size in memory.
+copied (what the next optimizer step waits for) and until the save is committed, and what agreeing on
+its outcome (at the next save step) costs the loop once the write is done. Needs about twice the checkpoint's size in memory.
 """
 
 from __future__ import annotations
@@ -65,10 +65,10 @@ def _instrument() -> None:
     _wrap(saving.Saver, "_dataloader_state", "data-loader state: gathered, merged, encoded")
     _wrap(saving, "write_sidecar", "data-loader state file written")
     _wrap(saving.Saver, "_writer", "DCP writer")
-    _wrap(saving.Saver, "_async_save", "background save started")
+    _wrap(saving.Saver, "_start_thread", "background save started")
     _wrap(threading.Thread, "start", "thread start")
-    _wrap(saving.Saver, "_finish_save", "poll: outcome, retention (and commit where on this thread)")
-    _wrap(saving, "commit", "poll: commit on this thread")
+    _wrap(saving.Saver, "_finish_save", "join: outcome agreed, retention")
+    _wrap(saving, "commit", "commit (on the save's thread)")
 
 
 def main() -> int:
@@ -111,14 +111,14 @@ def main() -> int:
             manager.pending.upload.result()
             written = time.perf_counter() - t0
             TIMES.clear()
-            manager.finish()  # the loop's poll, which finds the write done
-            phases.update({k: v for k, v in TIMES.items() if k.startswith("poll")})
+            manager.finish()  # the ranks agree on the outcome, as at the next save step
+            phases.update({k: v for k, v in TIMES.items() if k.startswith("join")})
             rows.append((call, copied, written, phases))
             shutil.rmtree(manager.folder / f"step-{step}", ignore_errors=True)
     shutil.rmtree(folder, ignore_errors=True)
 
     print(f"{a.size}, checksum {a.checksum}: a synchronous save took {sync_s:.3f} s; per asynchronous save (ms):")
-    labels = sorted({k for r in rows for k in r[3]}, key=lambda k: (k.startswith("poll"), -sum(r[3].get(k, 0)
+    labels = sorted({k for r in rows for k in r[3]}, key=lambda k: (k.startswith("join"), -sum(r[3].get(k, 0)
                                                                                           for r in rows)))
     width = max(len(k) for k in labels + ["call until the state is copied"]) + 2
 

@@ -204,7 +204,9 @@ def test_failed_async_save_stops_the_run(tmp_path, mp):
     assert rc == 3, log
     assert "checkpoint step-4 FAILED" in log and "injected write failure" in log
     assert "stopping after 1 failed checkpoint save" in log
-    assert max(losses(dump)) <= 5  # detected at the next step
+    # The outcome of a background save is agreed at the next save step: step 6 was trained and logged,
+    # and its save never started, however fast the failing write was.
+    assert max(losses(dump)) == 6
     assert [c.step for c in scan_folder(dump / "checkpoint")] == [2]  # nothing half-written left behind
 
 

@@ -223,13 +223,13 @@ def _async_config(tmp_path):
 
 
 def _train_step(model, optimizer):
-    model(torch.randn(2, 4)).sum().backward()
+    model(torch.randn(2, 4, device=model.weight.device)).sum().backward()
     optimizer.step()
     optimizer.zero_grad()
 
 
 def test_stage_copy_copies_every_tensor_once():
-    from trainer.checkpoint.saving import stage_copy
+    from trainer.checkpoint.background import stage_copy
 
     t, u = torch.arange(6.0).view(2, 3), torch.ones(2)
     state = {"a": t, "b": [t, (u, 3)], "c": b"pickled", "d": {"lr": 0.5}}
@@ -247,20 +247,20 @@ def test_async_save_commits_the_state_of_its_step(tmp_path, monkeypatch):
     though training changed the weights and moments while it was written."""
     import threading
 
-    from trainer.checkpoint import saving
+    from trainer.checkpoint import background
 
     config = _async_config(tmp_path)
     parts = _components(0)
     model, optimizer = parts["model_parts"][0], parts["optimizer"]
     _train_step(model, optimizer)
     manager = CheckpointManager(config, **parts)
-    gate, copy = threading.Event(), saving.stage_copy
+    gate, copy = threading.Event(), background.stage_copy
 
     def gated_copy(state, memo=None):
         gate.wait(10.0)  # a copy inside the call would make the call itself wait here
         return copy(state, memo)
 
-    monkeypatch.setattr(saving, "stage_copy", gated_copy)
+    monkeypatch.setattr(background, "stage_copy", gated_copy)
     parts["train_state"].step = 5
     weight, moment = model.weight.detach().clone(), optimizer.state[model.weight]["exp_avg"].clone()
     assert manager.save(5, asynchronous=True)
@@ -328,3 +328,38 @@ def test_space_check_scans_the_folder_only_when_a_save_may_not_fit(tmp_path, mon
     finally:
         logger.removeHandler(caplog.handler)
     assert "not enough disk space" in space.check(3, 120 * mib, warn=True)
+
+
+@pytest.mark.gpu
+def test_pinned_memory_async_saves_commit_the_state_of_their_step(tmp_path):
+    """async_with_pinned_mem on CUDA: the same background path, staged by DCP's stager into pinned buffers
+    reused from save to save; each committed checkpoint is the state of its step, bitwise, though the
+    weights changed while it was written."""
+    config = load_config(["--job.dump_folder", str(tmp_path), "--checkpoint.enable", "--training.steps", "10",
+                          "--checkpoint.interval", "5", "--checkpoint.async_mode", "async_with_pinned_mem"], env={})
+    parts = _components(0)
+    model = parts["model_parts"][0].cuda()
+    parts["optimizer"] = optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    parts["device"] = torch.device("cuda")
+    manager = CheckpointManager(config, **parts)
+    saved = {}
+    for step in (5, 10):
+        _train_step(model, optimizer)
+        parts["train_state"].step = step
+        saved[step] = model.weight.detach().cpu().clone()
+        assert manager.save(step, asynchronous=True)
+        _train_step(model, optimizer)  # its pre-step hook waits for the copy
+        with torch.no_grad():
+            model.weight.add_(1.0)  # during the background write
+    manager.finish()
+    assert manager.saves == 2 and manager.failures == 0
+    for step in (5, 10):
+        config.checkpoint.load_step = step
+        fresh = _components(1)
+        fresh["model_parts"][0].cuda()
+        fresh["optimizer"] = torch.optim.AdamW(fresh["model_parts"][0].parameters(), lr=1e-3)
+        fresh["device"] = torch.device("cuda")
+        resumed = CheckpointManager(config, **fresh)
+        resumed.load()
+        assert resumed.loaded_step == step
+        assert torch.equal(fresh["model_parts"][0].weight.cpu(), saved[step])

@@ -262,7 +262,7 @@ def test_compare_model_uses_the_loaders_names_and_the_whole_model(run):
     pipeline rank passes every stage's, gathered), so one stage's subset alone is not a mismatch."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from trainer.checkpoint.loading import compare_model
+    from trainer.checkpoint.restore import compare_model
 
     entries = dict(FileSystemReader(str(run / "checkpoint" / "step-4")).read_metadata().state_dict_metadata)
     shapes = {k[len("model."):]: tuple(v.size) for k, v in entries.items() if k.startswith("model.")}

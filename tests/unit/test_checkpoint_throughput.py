@@ -1,6 +1,7 @@
 """Checkpoint I/O without extra passes: files are hashed from the bytes DCP reads while loading (whatever order
-it reads them in, and still catching a flipped bit in bytes it does not read), every file is verified by
-exactly one rank, and ``trainer bench checkpoint``'s disk table has every row. One process, small models."""
+it reads them in, and still catching a flipped bit in bytes it does not read), whole tensors are read in
+place, the zip CRC is skipped on the writer's thread only, every file is verified by exactly one rank, and
+``trainer bench checkpoint``'s disk table has every row. One process, small models."""
 
 from __future__ import annotations
 
@@ -195,3 +196,92 @@ def test_save_threads_write_a_file_each_and_load(tmp_path):
 
     with pytest.raises(CheckpointError, match="CORRUPT: step-1/__0_1.distcp"):
         manager.load()
+
+
+def _zip_crcs(data: bytes) -> list[int]:
+    import io
+    import zipfile
+
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        return [m.CRC for m in archive.infolist() if m.filename.split("/")[-2:-1] == ["data"]]
+
+
+def test_zip_crc_is_off_only_on_the_writers_thread(tmp_path):
+    """The checkpoint writer skips torch.save's zip CRC (the checkpoint's own checksum covers every byte),
+    on its own thread and only while it writes: a torch.save on another thread meanwhile keeps its CRC,
+    and so does one on the writer's thread afterwards."""
+    import io
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+
+    from trainer.checkpoint.reader import _Slice, _storage_record
+    from trainer.checkpoint.writer import new_writer, zip_crc32_off
+
+    def saved(t: torch.Tensor) -> bytes:
+        buf = io.BytesIO()
+        torch.save(t, buf)
+        return buf.getvalue()
+
+    tensor = torch.arange(1000.0)
+    inside, beside = threading.Event(), threading.Event()
+    other: list[bytes] = []
+
+    def other_thread():
+        inside.wait(10.0)
+        other.append(saved(tensor))
+        beside.set()
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    with zip_crc32_off():
+        inside.set()
+        assert beside.wait(10.0)
+        off = saved(tensor)
+    thread.join()
+    assert _zip_crcs(off) == [0]
+    assert _zip_crcs(other[0])[0] != 0 and _zip_crcs(saved(tensor))[0] != 0
+    # DCP's writer: every tensor record of the data file without a CRC; the bytes are those of the tensor.
+    writer = new_writer(str(tmp_path / "ck"), checksum="xxh3_128", thread_count=1)
+    dcp.save({"t": tensor}, storage_writer=writer, no_dist=True)
+    assert set(writer.sums) == {"__0_0.distcp"}
+    data = (tmp_path / "ck" / "__0_0.distcp").read_bytes()
+    with open(tmp_path / "ck" / "__0_0.distcp", "rb") as stream:
+        offset, size = _storage_record(_Slice(stream, 0, len(data)))
+    assert size == tensor.numel() * 4 and data[offset:offset + size] == tensor.numpy().tobytes()
+    assert _zip_crcs(data) == [0]
+    assert _zip_crcs(saved(tensor))[0] != 0
+
+
+def test_reader_reads_whole_tensors_in_place_and_the_rest_dcps_way(tmp_path, monkeypatch):
+    """Whole stored tensors of the destination's dtype and shape (0-d ones too) are read straight into it;
+    a bf16 tensor into a float32 destination goes through torch.load and a copy (DCP's way), other values
+    through the planner. All bitwise, and the data file is verified from the bytes read."""
+    import torch.distributed.checkpoint as dcp
+
+    from trainer.checkpoint import reader
+    from trainer.checkpoint.writer import new_writer
+
+    torch.manual_seed(0)
+    saved = {"w": torch.randn(64, 33), "ids": torch.arange(7), "step": torch.tensor(3.0),
+             "half": torch.randn(5, 4).to(torch.bfloat16), "extra": {"lr": 0.5}}
+    writer = new_writer(str(tmp_path), checksum="xxh3_128", thread_count=1)
+    dcp.save(saved, storage_writer=writer, no_dist=True)
+    in_place = []
+    read_into = reader._read_into
+
+    def spy(item, req, target):
+        done = read_into(item, req, target)
+        in_place.append((req.storage_index.fqn, done))
+        return done
+
+    monkeypatch.setattr(reader, "_read_into", spy)
+    out = {"w": torch.zeros(64, 33), "ids": torch.zeros(7, dtype=torch.int64), "step": torch.tensor(0.0),
+           "half": torch.zeros(5, 4), "extra": {"lr": 0.0}}
+    storage_reader, hashed = reader.checkpoint_reader(tmp_path, "xxh3_128", {"__0_0.distcp"})
+    dcp.load(out, storage_reader=storage_reader, no_dist=True)
+    assert dict(in_place) == {"w": True, "ids": True, "step": True, "half": False}
+    for key in ("w", "ids", "step"):
+        assert torch.equal(out[key], saved[key]), key
+    assert torch.equal(out["half"], saved["half"].float()) and out["extra"] == {"lr": 0.5}
+    assert hashed["__0_0.distcp"][1] == writer.sums["__0_0.distcp"]["checksum"]

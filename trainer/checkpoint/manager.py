@@ -87,7 +87,8 @@ class CheckpointManager:
     # What the loop, the benchmarks and the run summary read.
     @property
     def pending(self):
-        """The asynchronous save in flight, if any."""
+        """The background save whose outcome is not agreed yet, if any (its ``staging`` and ``upload``
+        futures say how far its thread is)."""
         return self.saver.pending
 
     @property
@@ -112,8 +113,9 @@ class CheckpointManager:
         return {"checkpoint_failures": self.saver.failures} if self.enabled else {}
 
     def maybe_save(self, step: int, last: bool = False) -> None:
-        """Called after every optimizer step: finishes a background save that has completed, and saves
-        at every ``checkpoint.interval`` steps and at the last step."""
+        """Called after every optimizer step: at every ``checkpoint.interval`` steps and at the last step,
+        agrees on the outcome of the background save in flight (see :mod:`trainer.checkpoint.saving`)
+        and saves."""
         if not self.enabled:
             return
         due = self.saver.due(step, last)
@@ -139,13 +141,13 @@ class CheckpointManager:
         ``step`` unless this run has committed one already. True when ``step``'s checkpoint is committed."""
         self.finish()
         if self.data_saver is not None:
-            if step not in self.data_saver.committed_steps:
+            if not self.data_saver.has_committed(step):
                 self.data_saver.save(step, kind=DATA_ONLY)
             if not self._writes_job_checkpoint():
-                return step in self.data_saver.committed_steps
-        if step not in self.saver.committed_steps:
+                return self.data_saver.has_committed(step)
+        if not self.saver.has_committed(step):
             self.save(step, kind="full")
-        return step in self.saver.committed_steps
+        return self.saver.has_committed(step)
 
     def load(self) -> None:
         """Resume from the dump folder's latest complete checkpoint (or ``load_step``), else start from
@@ -154,10 +156,8 @@ class CheckpointManager:
             self._create_seed()
             return
         self.loader.load(resume=self.enabled)
-        if self.loader.loaded_step is not None and self.cfg.verify_on_load:
-            self.saver.committed_steps.add(self.loader.loaded_step)  # verified: counts for keep_latest_k
-            self.saver.resumed_steps.add(self.loader.loaded_step)
-        self.saver.damaged_steps |= self.loader.failed_steps  # may hold intact weights: never deleted
+        self.saver.note_loaded(self.loader.loaded_step, verified=self.cfg.verify_on_load,
+                               damaged=self.loader.failed_steps)
         if self.enabled and self.comm.rank == 0:
             self.saver.space.report(self.components.full_checkpoint_bytes())
 

@@ -43,9 +43,9 @@ class _Run:
         return time.perf_counter() - t0
 
     def drain(self) -> list[float]:
-        """Train while the background save runs; maybe_save polls it and commits it when done."""
+        """Train while the background save runs (its thread commits it), then agree on its outcome."""
         times = self.train(1)  # the first step after the save: waits for staging, if the stager makes it wait
-        while self.ckpt.pending is not None and len(times) < 1000:
+        while self.ckpt.pending is not None and not self.ckpt.pending.upload.done() and len(times) < 1000:
             times += self.train(1)
         self.ckpt.finish()
         return times
@@ -68,9 +68,7 @@ class _Run:
         s["async_blocking_s"].append(self.timed(lambda: self.save(True)))
         saved = self.step
         done_at: list[float] = []
-        upload = getattr(ckpt.pending, "upload", None)
-        if upload is not None and hasattr(upload, "add_done_callback"):
-            upload.add_done_callback(lambda _f: done_at.append(time.perf_counter()))
+        ckpt.pending.upload.add_done_callback(lambda _f: done_at.append(time.perf_counter()))
         after = self.drain()
         if done_at:
             s["async_write_s"].append(done_at[0] - t_call)

@@ -245,7 +245,7 @@ def _one_setting(config, model, optimizer, folder: Path, repeats: int, first_ste
         manager.finish()
         s["async_commit_s"].append(time.perf_counter() - t0)
         s["async_commit_vs_raw_write"].append((nbytes / s["async_commit_s"][-1]) / (raw_bytes / raw_w))
-        if step not in manager.saver.committed_steps:
+        if not manager.saver.has_committed(step):
             raise RuntimeError(f"background checkpoint save of step {step} failed (see the log)")
         shutil.rmtree(manager.folder / f"step-{step}")
         raw.unlink()

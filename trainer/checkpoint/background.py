@@ -1,0 +1,166 @@
+"""The one way a checkpoint is saved in the background: a thread of its own that first copies the state
+(so that training may change the live tensors again) and then writes the copy.
+
+The call that starts a :class:`BackgroundSave` returns before anything is copied: the thread needs the
+GIL only between tensor copies (each ``Tensor.copy_`` releases it), so the training loop's Python runs
+beside it, and the optimizer step waits for :attr:`BackgroundSave.staging` (a pre-step hook) before it
+changes the weights and moments being copied. Where the copy goes is the :class:`Staging` given:
+fresh CPU memory (:func:`stage_copy`), or on CUDA with ``async_with_pinned_mem`` pinned buffers reused
+from save to save (:class:`PinnedStaging`, DCP's own stager).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import torch
+
+
+def stage_copy(obj: Any, memo: dict[int, torch.Tensor] | None = None) -> Any:
+    """A copy of a state dict whose tensors are in fresh CPU memory: what a background save writes while
+    training changes the live tensors. DTensors stay DTensors of the same mesh, placements and global
+    shape (their local shards are copied); dicts, lists and tuples are copied; other values (numbers,
+    strings, bytes) are immutable and shared. A tensor object that appears twice is copied once. Each
+    copy is one ``Tensor.copy_``, which releases the GIL: the training loop's Python runs beside it."""
+    if memo is None:
+        memo = {}
+    if isinstance(obj, torch.Tensor):
+        key = id(obj)
+        if key not in memo:
+            memo[key] = _copy_tensor(obj)
+        return memo[key]
+    if isinstance(obj, dict):
+        return {k: stage_copy(v, memo) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [stage_copy(v, memo) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(stage_copy(v, memo) for v in obj)
+    return obj
+
+
+def _copy_tensor(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        if isinstance(t, DTensor):
+            local = _copy_tensor(t.to_local())
+            return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                      stride=t.stride())
+        out = torch.empty_like(t, device="cpu")
+        out.copy_(t)
+        return out
+
+
+class Staging(Protocol):
+    """Where a background save copies the state to: ``stage(state)`` returns the copy (called on the
+    save's thread); ``close()`` frees what is kept between saves."""
+
+    def stage(self, state: dict) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+class FreshStaging:
+    """A fresh CPU copy at every save (:func:`stage_copy`); nothing is kept between saves."""
+
+    def stage(self, state: dict) -> dict:
+        return stage_copy(state)
+
+    def close(self) -> None:
+        pass
+
+
+class PinnedStaging:
+    """CUDA with ``async_with_pinned_mem``: DCP's stager (the public ``torch.distributed.checkpoint.staging``
+    API) with pinned buffers reused from save to save, filled by non-blocking copies on a side stream.
+    Created on the training thread (DCP creates its side stream there, apart from the compute stream);
+    its ``stage`` runs on one save's thread at a time (saves never overlap), as the stager requires."""
+
+    def __init__(self):
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self._stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                                    use_async_staging=True, use_non_blocking_copy=True))
+
+    def stage(self, state: dict) -> dict:
+        return self._stager.stage(state).result()
+
+    def close(self) -> None:
+        self._stager.close()
+
+
+@dataclass
+class SaveTarget:
+    """Where one save goes and what its commit marker says (files and sizes are added at commit)."""
+
+    step: int
+    tmp: Path  # written into first
+    final: Path  # renamed to at commit
+    marker: dict
+    t0: float  # when the save call started (perf_counter)
+
+
+@dataclass
+class BackgroundSave:
+    """An asynchronous save: started by :meth:`start`, its outcome agreed by the ranks at a defined
+    point (:meth:`trainer.checkpoint.saving.Saver.join`).
+
+    ``staging`` completes when the state is copied (the live tensors may change from then on), ``upload``
+    with the write's result or exception (the commit included, on rank 0). ``blocking_s``: how long the
+    save call kept training waiting, known once the call returns (:meth:`call_returned`); rank 0's thread
+    waits for it before writing the commit marker, which records it. ``done_s``: seconds from the call to
+    the end of the write, measured on the save's thread."""
+
+    target: SaveTarget
+    writer: Any  # the storage writer: its checksums are gathered after the write
+    staging: Future = field(init=False, default_factory=Future)
+    upload: Future = field(init=False, default_factory=Future)
+    blocking_s: float = field(init=False, default=0.0)
+    done_s: float | None = field(init=False, default=None)
+    _call_over: threading.Event = field(init=False, repr=False, default_factory=threading.Event)
+    _thread: threading.Thread | None = field(init=False, repr=False, default=None)
+
+    def start(self, state: dict, staging: Staging, write: Callable[[dict], Any]) -> None:
+        """Run ``write(staging.stage(state))`` on a thread of its own; returns at once."""
+        self._thread = threading.Thread(target=self._run, args=(state, staging, write), name="checkpoint-save")
+        self._thread.start()
+
+    def call_returned(self, blocking_s: float) -> None:
+        """The save call is over (it blocked training ``blocking_s``): the commit may be written."""
+        self.blocking_s = blocking_s
+        self._call_over.set()
+
+    def wait_call_returned(self) -> float:
+        """On the save's thread: the blocking time, once the call that started the save has returned."""
+        self._call_over.wait()
+        return self.blocking_s
+
+    def wait(self) -> None:
+        """Until the write has finished, successfully or not (its outcome stays in ``upload``)."""
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self, state: dict, staging: Staging, write: Callable[[dict], Any]) -> None:
+        try:
+            staged = staging.stage(state)
+        except BaseException as e:  # reported through both futures (the upload's is the one counted)
+            self.staging.set_exception(e)
+            self.upload.set_exception(e)
+            return
+        del state
+        self.staging.set_result(None)
+        try:
+            result = write(staged)
+        except BaseException as e:
+            del staged
+            self.done_s = time.perf_counter() - self.target.t0
+            self.upload.set_exception(e)
+            return
+        del staged  # the copy is freed as soon as it is written
+        self.done_s = time.perf_counter() - self.target.t0
+        self.upload.set_result(result)
