@@ -78,6 +78,7 @@ class Watchdog:
         self.out.write(f"=== {what}: failed on its time limit of {limit:.0f} s ===\n")
         self.out.flush()
         processes.kill_all()
+        shutil.rmtree(self.stacks_folder, ignore_errors=True)
         os._exit(1)
 
 
