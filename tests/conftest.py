@@ -152,9 +152,10 @@ def _module_leaves_process_state_alone(request):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
-    yield
+    result = yield
     isolation.module_ended(item.nodeid.split("::")[0],
                            nextitem.nodeid.split("::")[0] if nextitem is not None else None)
+    return result
 
 
 @pytest.fixture(autouse=True)

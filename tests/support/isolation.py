@@ -138,6 +138,12 @@ def _pytest_hook(hook) -> bool:
     return type(hook).__module__.startswith("_pytest") or getattr(hook, "__module__", "").startswith("_pytest")
 
 
+def _managed_handler(handler) -> bool:
+    """A handler that pytest (per phase of a test) or torch's logging (its lazy trace handler, replaced on
+    first use) adds and removes by itself."""
+    return _pytest_hook(handler) or type(handler).__module__.startswith("torch._logging")
+
+
 def _interpreter(snap: Snapshot) -> None:
     for name, value in os.environ.items():
         if name in IGNORED_ENV:
@@ -166,13 +172,13 @@ def _ours(logger_entry_name: str) -> bool:
 
 
 def _logger_state(logger: logging.Logger) -> tuple:
-    handlers = tuple(h for h in logger.handlers if not _pytest_hook(h))
+    handlers = tuple(h for h in logger.handlers if not _managed_handler(h))
     return logger.level, handlers, logger.propagate, logger.disabled
 
 
 def _restore_logger(logger: logging.Logger, state: tuple) -> None:
     level, handlers, propagate, disabled = state
-    ours = [h for h in logger.handlers if _pytest_hook(h)]  # pytest's capture handlers stay where they are
+    ours = [h for h in logger.handlers if _managed_handler(h)]  # pytest's and torch's own stay where they are
     logger.handlers[:] = [*handlers, *ours]
     logger.setLevel(level)
     logger.propagate = propagate
@@ -260,6 +266,8 @@ def _library_setup(name: str, value) -> bool:
     be undone (torch would not set it again)."""
     if name == "environment variable TORCHINDUCTOR_CACHE_DIR":
         return _torch_default_inductor_cache(value)  # Inductor's default, set when it first locates its cache
+    if name.startswith("environment variable _TORCHINDUCTOR"):
+        return True  # Inductor's private variables for its compile workers, set on first compile
     if name == "environment variable KMP_DUPLICATE_LIB_OK":
         return value == "True"  # scikit-learn's import sets it (lm-eval loads it), as Inductor's C++ builder does
     if name == "signal handler SIGCHLD":  # the DataLoader's, installed with its first worker process
@@ -354,6 +362,8 @@ def checked(what: str):
 ENTRY_POINT_SETTINGS = {
     "logger 'trainer'",  # trainer.logs.setup: the console handler on this process's stdout
     "logger 'lm_eval'",  # trainer eval: lm-eval's console handler (tests/conftest.py resets lm-eval's flag for it)
+    "logger 'torch.distributed'",  # trainer simulate: torch's warnings about its fake process groups, silenced
+    "logger 'torch.distributed.elastic'",  # trainer eval: the agent's start-up lines, silenced
     "warnings.showwarning",  # trainer.logs.setup: warnings as one log line
     "sys.excepthook",  # torch's init_process_group installs one that names the rank; destroying the group keeps it
     "automatic garbage collection",  # the training loop turns it off for the process's life
