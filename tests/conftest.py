@@ -65,10 +65,15 @@ def pytest_runtest_call(item):
         yield
 
 
-@pytest.hookimpl(hookwrapper=True)
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
+    # The time limit covers the teardown and the module's state check after it (tests/support/isolation.py:
+    # run once the module's fixtures are torn down).
     with timeouts.limited(item, "teardown", last=nextitem is None):
-        yield
+        result = yield
+        isolation.module_ended(item.nodeid.split("::")[0],
+                               nextitem.nodeid.split("::")[0] if nextitem is not None else None)
+    return result
 
 
 # Under pytest-xdist each worker takes whole files as it becomes free: the longest files go first (so no
@@ -150,12 +155,6 @@ def _module_leaves_process_state_alone(request):
     isolation.module_started(request.node.nodeid)  # checked in pytest_runtest_teardown, after its fixtures
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_teardown(item, nextitem):
-    result = yield
-    isolation.module_ended(item.nodeid.split("::")[0],
-                           nextitem.nodeid.split("::")[0] if nextitem is not None else None)
-    return result
 
 
 @pytest.fixture(autouse=True)
