@@ -400,9 +400,9 @@ class Trainer:
         self.data_iter = iter(self.train_loader)
         gc.disable()
         if config.training.gc_debug:
-            from torch.utils.viz._cycles import warn_tensor_cycles
+            from trainer.torch_compat import warn_on_tensor_cycles
 
-            warn_tensor_cycles()  # warns whenever a collection frees a reference cycle holding a tensor
+            warn_on_tensor_cycles()  # warns whenever a collection frees a reference cycle holding a tensor
         start_step = self.state.step
         if start_step >= config.training.steps:
             logger.info("checkpoint is already at step %d of %d: nothing to train", start_step, config.training.steps)
@@ -493,13 +493,12 @@ def peer_failure(exc: BaseException, trainer: "Trainer | None") -> str | None:
 def pending_collective() -> str:
     """The collective this rank is stuck in, from the flight recorder (comm.trace_buf_size)."""
     try:
-        from torch.distributed.distributed_c10d import _world
+        from trainer.torch_compat import flight_recorder_dump, process_groups
 
-        c10d = torch._C._distributed_c10d
         entries = []
-        dumps = [getattr(c10d, "_dump_fr_trace_json", None)]
+        dumps = [flight_recorder_dump("generic", as_json=True)]
         if torch.cuda.is_available():
-            dumps.append(getattr(c10d, "_dump_nccl_trace_json", None))
+            dumps.append(flight_recorder_dump("nccl", as_json=True))
         for dump in dumps:
             try:
                 entries += json.loads(dump()).get("entries", []) if dump is not None else []
@@ -510,7 +509,7 @@ def pending_collective() -> str:
         open_ = [e for e in entries if not e.get("retired") and e.get("state") != "completed"]
         e = min(open_, key=lambda x: x.get("time_created_ns", 0)) if open_ else entries[-1]
         name, desc = (list(e.get("process_group") or ["?", "?"]) + ["?"])[:2]
-        ranks = next((dist.get_process_group_ranks(pg) for pg, n in _world.pg_names.items() if n == name), "?")
+        ranks = next((dist.get_process_group_ranks(pg) for pg in process_groups() if pg.group_name == name), "?")
         return (f"{e.get('profiling_name', '?')} on process group {desc} (ranks {ranks}), its collective "
                 f"#{e.get('collective_seq_id', '?')}, input sizes {e.get('input_sizes')}, timeout "
                 f"{e.get('timeout_ms', '?')} ms")

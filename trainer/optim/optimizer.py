@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from trainer.torch_compat import takes_found_inf
+
 if TYPE_CHECKING:
     from trainer.optim.config import LRScheduler, Optimizer
 
@@ -110,7 +112,7 @@ class LRSchedule:
 
 def supports_device_skip(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``step_unless`` skips without a host read (fused AdamW takes the verdict as ``found_inf``)."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+    return takes_found_inf(optimizer)
 
 
 def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor | None) -> None:
