@@ -102,9 +102,10 @@ def dump_cuda_memory_snapshot(path: str) -> None:
 
 
 def warn_on_tensor_cycles() -> None:
-    """From now on, warn whenever the garbage collector frees a reference cycle that holds a tensor.
+    """From now on, warn whenever the garbage collector frees a reference cycle that holds a CUDA tensor.
 
-    torch has no public form of this debugging aid (torchtitan's gc debug calls the same function).
+    CUDA only: it records CUDA memory history (a CPU build has none to record: AttributeError). torch has no
+    public form of this debugging aid (torchtitan's gc debug calls the same function).
     Checked: torch.utils.viz._cycles.warn_tensor_cycles in 2.11.0-2.14.1."""
     from torch.utils.viz._cycles import warn_tensor_cycles
 

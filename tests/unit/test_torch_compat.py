@@ -349,6 +349,20 @@ def test_tensor_cycle_warnings():
         stop_cuda_memory_history()
 
 
+def test_gc_debug_on_cpu_says_what_it_does_not_do(tmp_path, monkeypatch, caplog):
+    """training.gc_debug on a CPU run trains, collecting every step, and says that no cycle is reported
+    (torch's cycle reports need CUDA; they ended such a run with a traceback before)."""
+    import torch
+
+    from tests.support.launch import train_in_process
+
+    if torch.cuda.is_available():
+        pytest.skip("checks a machine without CUDA")
+    rc, out = train_in_process(tmp_path, "--training.gc_debug", "--training.steps", "2", monkeypatch=monkeypatch)
+    assert rc == 0, out[-3000:]
+    assert "reported only when they hold CUDA tensors" in out + caplog.text, out[-3000:]
+
+
 def test_mesh_and_shards(one_rank_group):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
