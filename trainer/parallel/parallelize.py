@@ -139,7 +139,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, floa
 # --------------------------------------------------------------------------------------------------
 
 # Results worth keeping under selective "op" checkpointing: the expensive ops. Everything else
-# (norms, activations, RoPE) is recomputed in backward.
+# (norms, activations, RoPE) is recomputed in backward. Operators are named by their registered names
+# (aten::_scaled_dot_product_..., as in torchtitan's list), not through a private Python module.
 _SAVE_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
