@@ -66,7 +66,8 @@ def set_profiler_step(prof: Any, step: int, action: Any) -> None:
 
     The profiler counts steps from 0 and takes no start step; ``step_num`` and ``current_action`` are
     public attributes, but torch >= 2.13 also keeps the schedule's last answer in ``_prev_schedule_action``,
-    which must agree with ``current_action`` or the first ``step()`` starts from the wrong state.
+    which ``stop()`` puts back into ``current_action`` and ``step()`` reads after a device-side stop: left
+    alone, it holds step 0's answer.
     Checked: absent in 2.11.0 and 2.12.1; the same use in 2.13.0 and 2.14.1."""
     prof.step_num = step
     prof.current_action = action
