@@ -69,17 +69,17 @@ def close_process_group() -> None:
 def set_train_timeout(seconds: int) -> None:
     """After the first step, a collective that waits this long means a hung rank: fail fast.
 
-    torch's ``_set_pg_timeout`` changes one group only, so it is applied to the default group and to every
+    A process group's ``set_timeout`` changes that group only, so it is applied to the default group and to every
     group the device mesh created (``mesh_*``: FSDP/HSDP, TP, PP collectives), NCCL and gloo backends
     alike. Groups made elsewhere with their own timeout (checkpoint saves) keep theirs."""
     try:
-        from torch.distributed.distributed_c10d import _get_default_group, _set_pg_timeout, _world
+        from trainer.torch_compat import process_groups
 
-        default = _get_default_group()
-        groups = [pg for pg in list(_world.pg_map)
+        default = dist.group.WORLD
+        groups = [pg for pg in process_groups()
                   if pg is default or str(getattr(pg, "group_desc", "")).startswith("mesh_")]
         for pg in groups:
-            _set_pg_timeout(timedelta(seconds=seconds), pg)
+            pg.set_timeout(timedelta(seconds=seconds))
         logger.info("collective timeout now %d s on %d process group(s) (comm.train_timeout_seconds)",
                     seconds, len(groups))
     except Exception as e:  # older/other backends: keep the start-up timeout

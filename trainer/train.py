@@ -396,10 +396,13 @@ class Trainer:
         config = self.config
         self.data_iter = iter(self.train_loader)
         gc.disable()
-        if config.training.gc_debug:
-            from torch.utils.viz._cycles import warn_tensor_cycles
+        if config.training.gc_debug and not torch.cuda.is_available():
+            logger.warning("training.gc_debug: reference cycles are reported only when they hold CUDA tensors; on "
+                           "this CPU run each step collects every generation, without reports")
+        elif config.training.gc_debug:
+            from trainer.torch_compat import warn_on_tensor_cycles
 
-            warn_tensor_cycles()  # warns whenever a collection frees a reference cycle holding a tensor
+            warn_on_tensor_cycles()  # warns whenever a collection frees a reference cycle holding a CUDA tensor
         start_step = self.state.step
         if start_step >= config.training.steps:
             logger.info("checkpoint is already at step %d of %d: nothing to train", start_step, config.training.steps)

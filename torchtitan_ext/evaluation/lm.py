@@ -35,6 +35,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from trainer.torch_compat import pipeline_loss_disabled
+
 logger = logging.getLogger("trainer")
 
 try:
@@ -105,12 +107,9 @@ class PipelineEval:
         padded[:n, :w] = batch.to(device)
         schedule = self.schedule
         # Forward only, and no loss: the training's loss (and the loss terms callbacks add to it) must not
-        # see evaluation batches. The schedule keeps its loss function in _loss_fn.
-        loss_fn, schedule._loss_fn = schedule._loss_fn, None
-        try:
+        # see evaluation batches.
+        with pipeline_loss_disabled(schedule):
             out = schedule.eval(padded) if self.has_first else schedule.eval()
-        finally:
-            schedule._loss_fn = loss_fn
         if not self.has_last:
             return None
         full_tensor = getattr(out, "full_tensor", None)

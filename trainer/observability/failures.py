@@ -72,13 +72,12 @@ def peer_failure(exc: BaseException, step: int | None) -> str | None:
 def pending_collective() -> str:
     """The collective this rank is stuck in, from the flight recorder (comm.trace_buf_size)."""
     try:
-        from torch.distributed.distributed_c10d import _world
+        from trainer.torch_compat import flight_recorder_dump, process_groups
 
-        c10d = torch._C._distributed_c10d
         entries = []
-        dumps = [getattr(c10d, "_dump_fr_trace_json", None)]
+        dumps = [flight_recorder_dump("generic", as_json=True)]
         if torch.cuda.is_available():
-            dumps.append(getattr(c10d, "_dump_nccl_trace_json", None))
+            dumps.append(flight_recorder_dump("nccl", as_json=True))
         for dump in dumps:
             try:
                 entries += json.loads(dump()).get("entries", []) if dump is not None else []
@@ -89,7 +88,7 @@ def pending_collective() -> str:
         open_ = [e for e in entries if not e.get("retired") and e.get("state") != "completed"]
         e = min(open_, key=lambda x: x.get("time_created_ns", 0)) if open_ else entries[-1]
         name, desc = (list(e.get("process_group") or ["?", "?"]) + ["?"])[:2]
-        ranks = next((dist.get_process_group_ranks(pg) for pg, n in _world.pg_names.items() if n == name), "?")
+        ranks = next((dist.get_process_group_ranks(pg) for pg in process_groups() if pg.group_name == name), "?")
         return (f"{e.get('profiling_name', '?')} on process group {desc} (ranks {ranks}), its collective "
                 f"#{e.get('collective_seq_id', '?')}, input sizes {e.get('input_sizes')}, timeout "
                 f"{e.get('timeout_ms', '?')} ms")

@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from trainer.torch_compat import flight_recorder_dump
+
 logger = logging.getLogger("trainer")
 
 
@@ -51,14 +53,13 @@ def dump_flight_recorder(folder: Path, prefix: str, rank: int, extra_folder: Pat
     """Write this rank's flight-recorder buffer(s); returns the files written (none where unavailable).
 
     ``<folder>/<prefix><rank>`` holds the pickle that ``torchfrtrace <folder>`` reads: NCCL's recorder on
-    GPU builds (``_dump_nccl_trace``), otherwise the generic one (gloo; ``_dump_fr_trace``). On GPU builds
+    GPU builds, otherwise the generic one (gloo). On GPU builds
     the generic recorder (the CPU/gloo collectives) is also written as JSON to ``extra_folder``.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return []
-    c10d = torch._C._distributed_c10d
-    nccl = getattr(c10d, "_dump_nccl_trace", None) if torch.cuda.is_available() else None
-    generic = getattr(c10d, "_dump_fr_trace", None)
+    nccl = flight_recorder_dump("nccl") if torch.cuda.is_available() else None
+    generic = flight_recorder_dump("generic")
     written = []
     main_dump = nccl or generic
     if main_dump is not None:
@@ -66,7 +67,7 @@ def dump_flight_recorder(folder: Path, prefix: str, rank: int, extra_folder: Pat
         folder.mkdir(parents=True, exist_ok=True)
         path.write_bytes(main_dump())
         written.append(path)
-    generic_json = getattr(c10d, "_dump_fr_trace_json", None)
+    generic_json = flight_recorder_dump("generic", as_json=True)
     if nccl is not None and generic_json is not None and extra_folder is not None:
         path = extra_folder / f"rank{rank}_gloo_flight_recorder.json"
         extra_folder.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,13 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerAction
 
+from trainer.torch_compat import (
+    dump_cuda_memory_snapshot,
+    set_profiler_step,
+    start_cuda_memory_history,
+    stop_cuda_memory_history,
+)
+
 logger = logging.getLogger("trainer")
 
 MEMORY_HISTORY_MAX_ENTRIES = 100_000  # allocation events kept for memory snapshots (as torchtitan)
@@ -52,10 +59,7 @@ class Profiler:
         prof = torch.profiler.profile(activities=activities, schedule=self.schedule, on_trace_ready=self._save,
                                       record_shapes=True)
         # Count profiler steps in training steps, so ProfilerStep#<n> is step n also after a resume.
-        prof.step_num = self.first_step
-        prof.current_action = self.schedule(self.first_step)
-        if hasattr(prof, "_prev_schedule_action"):  # torch >= 2.13
-            prof._prev_schedule_action = prof.current_action
+        set_profiler_step(prof, self.first_step, self.schedule(self.first_step))
         prof.__enter__()
         self.prof = prof
         if self.rank == 0:
@@ -108,7 +112,7 @@ class Profiler:
 
 def dump_cuda_snapshot(path: Path) -> None:
     """Write the caching allocator's state (and allocation history, if recorded) as a pickle."""
-    torch.cuda.memory._dump_snapshot(str(path))
+    dump_cuda_memory_snapshot(str(path))
 
 
 class MemorySnapshots:
@@ -130,7 +134,7 @@ class MemorySnapshots:
 
     def start(self) -> None:
         if self.requested and self.use_cuda:
-            torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_MAX_ENTRIES)
+            start_cuda_memory_history(MEMORY_HISTORY_MAX_ENTRIES)
             self.recording = True
             if self.rank == 0:
                 logger.info("memory snapshots: every %d steps and on out-of-memory -> %s/iteration_<step>/"
@@ -140,7 +144,7 @@ class MemorySnapshots:
         if self.recording:
             self.recording = False
             try:
-                torch.cuda.memory._record_memory_history(enabled=None)
+                stop_cuda_memory_history()
             except Exception as e:  # pragma: no cover - cleanup only
                 logger.debug("stopping the memory history: %s", e)
 

@@ -43,11 +43,13 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> DeviceMesh:
         from torch.distributed.device_mesh import init_device_mesh
 
+        from trainer.torch_compat import flatten_mesh
+
         names = ("pp", "dp_replicate", "dp_shard", "tp")
         shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
         # Kept here: slicing a flattened dimension from the root mesh is deprecated.
-        self.dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        self.dp_mesh = flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
         return mesh
 
     def describe(self) -> str:

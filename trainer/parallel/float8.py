@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from trainer.errors import ConfigError
+from trainer.torch_compat import PYTREE_LOGGER
 
 if TYPE_CHECKING:
     from trainer.config import JobConfig
@@ -18,7 +19,7 @@ logger = logging.getLogger("trainer")
 # torchao's wheels carry compiled extensions this trainer never calls (MX formats, CUTLASS kernels); where one
 # cannot load (a CPU machine, another Python build) torchao warns on every import, as does torch about an Enum
 # torchao registers. Neither changes float8 training, which goes through torch's own scaled matmul.
-_IMPORT_NOISE = ("torchao", "torch.utils._pytree")
+_IMPORT_NOISE = ("torchao", PYTREE_LOGGER)
 
 
 @contextlib.contextmanager

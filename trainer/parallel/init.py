@@ -16,9 +16,9 @@ import zlib
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from trainer.parallel import clean_fqn
+from trainer.torch_compat import local_shape_and_offset
 
 
 def model_units(template: nn.Module) -> list[str]:
@@ -44,7 +44,7 @@ def _unit_template(template: nn.Module, unit: str) -> nn.Module:
 def local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     if not isinstance(param, DTensor):
         return full
-    shape, offset = compute_local_shape_and_global_offset(full.shape, param.device_mesh, param.placements)
+    shape, offset = local_shape_and_offset(full.shape, param.device_mesh, param.placements)
     index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
     return full[index]
 

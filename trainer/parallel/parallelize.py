@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (
 from trainer.errors import ConfigError
 
 from trainer.parallel.dims import ParallelDims
+from trainer.torch_compat import checkpoint_wrapper, enable_async_tensor_parallel
 
 if TYPE_CHECKING:
     from trainer.config import JobConfig
@@ -49,10 +50,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, config: 
         if config.parallelism.enable_async_tensor_parallel:
             if not config.compile.enable or mesh.device_type != "cuda":
                 raise ConfigError("parallelism.enable_async_tensor_parallel needs compile.enable and GPUs")
-            from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-
-            torch._inductor.config._micro_pipeline_tp = True
-            enable_symm_mem_for_group(mesh["tp"].get_group().group_name)
+            enable_async_tensor_parallel()
     if config.activation_checkpoint.mode != "none":
         apply_ac(model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option,
                  config.activation_checkpoint)
@@ -141,7 +139,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, floa
 # --------------------------------------------------------------------------------------------------
 
 # Results worth keeping under selective "op" checkpointing: the expensive ops. Everything else
-# (norms, activations, RoPE) is recomputed in backward.
+# (norms, activations, RoPE) is recomputed in backward. Operators are named by their registered names
+# (aten::_scaled_dot_product_..., as in torchtitan's list), not through a private Python module.
 _SAVE_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
@@ -181,8 +180,6 @@ def _op_policy():
 def apply_ac(model: nn.Module, mode: str, selective_option: str, ac=None) -> None:
     """Wrap transformer blocks with activation checkpointing (full, every N-th block, or per op). ``ac``
     (the [activation_checkpoint] section) passes torch.utils.checkpoint's own options through."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
     options = dict(preserve_rng_state=False, determinism_check="none")  # callers without the section
     if ac is not None:
         options = dict(preserve_rng_state=ac.preserve_rng_state, determinism_check=ac.determinism_check,

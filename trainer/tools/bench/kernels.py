@@ -64,7 +64,7 @@ def rope_case(shape: str, compile_: bool, repeats: int, rounds: int) -> dict[str
     cache = precompute_rope_cache(d, s, theta)
     real_fn, complex_fn = apply_rotary_emb_real, apply_rotary_emb  # the model's: the complex form
     if compile_:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         real_fn, complex_fn = torch.compile(real_fn), torch.compile(complex_fn)
     out_r, g_r = _fwd_bwd(real_fn, x, cache, grad)
     out_c, g_c = _fwd_bwd(complex_fn, x, cache, grad)

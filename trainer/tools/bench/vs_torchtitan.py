@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from trainer.torch_compat import report_cpu_as_the_device_type
+
 from .common import ROOT, _quiet, single_rank_env
 from .processes import _cycle_times, _run_worker, best_cycle_ratio
 
@@ -92,9 +94,7 @@ def _patch_torchtitan_for_cpu() -> None:
     3. ``torchtitan.models.moe.kernels`` imports Triton at import time (MoE token permutation only, unused by
        Llama 3): a stand-in module without it.
     """
-    import torch._utils
-
-    torch._utils._get_available_device_type = lambda: "cpu"
+    report_cpu_as_the_device_type()
     stub = types.ModuleType("torchtitan.models.moe.kernels")
 
     def _no_triton(*_a, **_k):
