@@ -167,7 +167,7 @@ def test_nonfinite_guard_skips_nan_and_inf_and_counts():
 
 
 def commit_marker(folder: Path, step: int) -> None:
-    """What a finished save leaves (see trainer/checkpoint.py): DCP metadata and the commit marker."""
+    """What a finished save leaves (see trainer/checkpoint/layout.py): DCP metadata and the commit marker."""
     import json
 
     from trainer.checkpoint import layout as ckpt

@@ -32,7 +32,7 @@ micro-batch, ``P`` parameters held by this rank: matrices / tp (norms are replic
       layer             = norm(3) + attention + norm(2) + MLP
 
   FSDP with bf16 parameters (r = c = 2): ``12h + 4kv + 8F + 4n_h + 8``. One GPU with autocast (float32
-  residual stream, r = 4, c = 2): ``22h + 4kv + 8F + 4n_h + 8``. tests/test_plan.py checks these counts
+  residual stream, r = 4, c = 2): ``22h + 4kv + 8F + 4n_h + 8``. tests/unit/test_plan.py checks these counts
   (in their CPU form) against what autograd really keeps alive after a block's forward, in all three
   regimes and all AC modes.
   Activation checkpointing keeps per layer: ``full`` the block input ``r*h``; ``selective op`` (the policy
