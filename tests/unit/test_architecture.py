@@ -79,6 +79,26 @@ def test_core_reaches_extensions_only_through_the_registry():
     assert not offenders, offenders
 
 
+# The entry points and the commands beside training: no layer below them imports them.
+ENTRY_POINTS = ("trainer.train", "trainer.cli", "trainer.tools")
+LAYERS = ("trainer.models", "trainer.parallel", "trainer.data", "trainer.checkpoint", "trainer.optim",
+          "trainer.observability", "trainer.fault_tolerance", "trainer.config", "trainer.errors", "trainer.step",
+          "trainer.setup", "trainer.callbacks", "trainer.metrics", "trainer.torch_compat")
+
+
+def _within(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def test_lower_layers_never_import_the_entry_points():
+    """The layers (and the step, setup and callbacks the loop uses) import neither trainer.train, the
+    console script nor the tools: those sit on top and call down (deferred imports counted too)."""
+    graph = import_graph()
+    offenders = sorted(f"{name} -> {dep}" for name, deps in graph.items() if _within(name, LAYERS)
+                       for dep in deps if _within(dep, ENTRY_POINTS))
+    assert not offenders, offenders
+
+
 def test_module_and_function_sizes():
     too_long = []
     for name, path in modules().items():
