@@ -18,6 +18,7 @@ last test: that phase gets ``SESSION_TEARDOWN_S``.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import shutil
@@ -91,15 +92,12 @@ def install(config) -> None:
     config.addinivalue_line("markers", MARKER)
     if _default_limit() <= 0:
         return
+    # The stderr pytest started with (a test's capture is discarded when this process exits). Capture is
+    # suspended here (pytest suspends it once the conftests are loaded): resuming it unconditionally would
+    # hand the terminal reporter a captured stdout, and the session's output would be lost.
     capture = config.pluginmanager.getplugin("capturemanager")
-    # The stderr pytest started with: a test's capture is closed and discarded when this process exits.
-    if capture is not None:
-        capture.suspend_global_capture(in_=False)
-    try:
+    with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
         out = os.fdopen(os.dup(2), "w", buffering=1, errors="replace")
-    finally:
-        if capture is not None:
-            capture.resume_global_capture()
     folder = Path(tempfile.mkdtemp(prefix="test-stacks-"))
     processes.collect_stacks_in(folder)
     _watchdog = Watchdog(out, folder)
