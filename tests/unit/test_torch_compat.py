@@ -133,9 +133,9 @@ def private_torch_uses(source: str, own: set[str]) -> list[tuple[int, str]]:
                   if not any(l2 == line and n2 != name and n2.startswith(name + ".") for l2, n2 in found))
 
 
-def tree_uses(mods: dict[str, Path]) -> list[str]:
-    """Private torch uses outside the compatibility module."""
-    own = own_names(mods.values())
+def tree_uses(mods: dict[str, Path], own: set[str] | None = None) -> list[str]:
+    """Private torch uses outside the compatibility module (``own``: the names our code defines, when known)."""
+    own = own_names(mods.values()) if own is None else own
     offenders = []
     for name, path in mods.items():
         rel = name.replace(".", "/") + ("/__init__.py" if path.name == "__init__.py" else ".py")
@@ -145,10 +145,6 @@ def tree_uses(mods: dict[str, Path]) -> list[str]:
     return offenders
 
 
-def test_private_torch_names_only_in_the_compat_module():
-    offenders = tree_uses(modules())
-    assert not offenders, ("private torch names outside trainer/torch_compat.py (put each behind a function "
-                           "there, saying why and which versions were checked): " + "; ".join(offenders))
 
 FLAGGED = {
     "import torch._dynamo\n": "torch._dynamo",
@@ -201,11 +197,17 @@ def test_own_names_are_what_our_code_defines(tmp_path):
     assert {"m", "A", "_k", "_mine", "_f"} <= names and "_loss_fn" not in names
 
 
-def test_the_tree_check_fails_on_a_private_use_added_elsewhere(tmp_path):
-    """The check over the real tree plus one module with a private torch use reports that use only."""
+def test_private_torch_names_only_in_the_compat_module(tmp_path):
+    """None in the tree outside trainer/torch_compat.py; and the same check over the tree plus one module with
+    a private torch use reports that use only (the check can fail)."""
     added = tmp_path / "new_module.py"
     added.write_text("import torch\n\n\ndef f():\n    torch._dynamo.reset()\n")
-    offenders = tree_uses({**modules(), "trainer.tools.new_module": added})
+    tree = modules()
+    own = own_names(tree.values())
+    offenders = tree_uses(tree, own)
+    assert not offenders, ("private torch names outside trainer/torch_compat.py (put each behind a function "
+                           "there, saying why and which versions were checked): " + "; ".join(offenders))
+    offenders = tree_uses({"trainer.tools.new_module": added}, own | own_names([added]))
     assert offenders == ["trainer/tools/new_module.py:5: torch._dynamo"]
 
 
@@ -236,12 +238,15 @@ def test_every_compat_function_is_used():
              if callable(v) and getattr(v, "__module__", "") == compat.__name__ and not n.startswith("_")}
     used = set()
     for path in modules().values():
-        if str(path.relative_to(ROOT)) not in COMPAT_MODULES:
-            used |= {n.id for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Name)}
-            used |= {a.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom)
-                     for a in n.names}
-            used |= {n.attr for n in ast.walk(ast.parse(path.read_text()))  # torch_compat.name(...)
-                     if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "torch_compat"}
+        if str(path.relative_to(ROOT)) in COMPAT_MODULES:
+            continue
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.Name):
+                used.add(n.id)
+            elif isinstance(n, ast.ImportFrom):
+                used |= {a.name for a in n.names}
+            elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "torch_compat":
+                used.add(n.attr)  # torch_compat.name(...)
     assert names and not names - used, sorted(names - used)
 
 
