@@ -145,3 +145,14 @@ def unresolved_imports(mods: dict[str, Path], packages: tuple[str, ...] = PACKAG
             elif member is not None and f"{module}.{member}" not in mods and member not in defined_names(mods[module]):
                 missing.append(f"{name}: {module} has no {member}")
     return missing
+
+
+def attribute_chain(node: ast.AST) -> list[str] | None:
+    """``a.b.c`` as ["a", "b", "c"]; None when the chain does not start at a plain name."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return [node.id] + parts[::-1]

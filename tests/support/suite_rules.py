@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.support.imports import attribute_chain
+
 TESTS = Path(__file__).resolve().parents[1]
 PROCESSES = TESTS / "support" / "processes.py"
 TIERS = ("tests.unit", "tests.distributed", "tests.e2e")
@@ -65,13 +67,8 @@ def _all_starters() -> set[str]:
 
 
 def _dotted(node, aliases: dict[str, str]) -> str | None:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if not isinstance(node, ast.Name):
-        return None
-    return ".".join([aliases.get(node.id, node.id), *reversed(parts)])
+    chain = attribute_chain(node)
+    return None if chain is None else ".".join([aliases.get(chain[0], chain[0]), *chain[1:]])
 
 
 def cross_test_imports(paths: list[Path], root: Path = TESTS) -> list[str]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.imports import ROOT, modules
+from tests.support.imports import ROOT, attribute_chain, modules
 from tests.support.processes import free_port
 
 COMPAT_MODULES = {"trainer/torch_compat.py"}
@@ -77,17 +77,6 @@ def torch_aliases(tree: ast.Module) -> dict[str, str]:
     return aliases
 
 
-def dotted(node: ast.AST) -> list[str] | None:
-    """``a.b.c`` as ["a", "b", "c"]; None when the chain does not start at a plain name."""
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if not isinstance(node, ast.Name):
-        return None
-    return [node.id] + parts[::-1]
-
-
 def private_torch_uses(source: str, own: set[str]) -> list[tuple[int, str]]:
     """(line, private name) for each private torch name ``source`` uses (see the module docstring)."""
     tree = ast.parse(source)
@@ -110,7 +99,7 @@ def private_torch_uses(source: str, own: set[str]) -> list[tuple[int, str]]:
                 if hit := private_path(f"{node.module}.{a.name}"):
                     found.add((node.lineno, hit))
         elif isinstance(node, ast.Attribute):
-            chain = dotted(node)
+            chain = attribute_chain(node)
             if chain and chain[0] in aliases:
                 path = ".".join([aliases[chain[0]]] + chain[1:])
                 if not path.startswith(OP_HANDLES) and (hit := private_path(path)):
@@ -121,7 +110,7 @@ def private_torch_uses(source: str, own: set[str]) -> list[tuple[int, str]]:
                 node.func.id in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) > 1 and \
                 isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
             name = node.args[1].value
-            chain = dotted(node.args[0])
+            chain = attribute_chain(node.args[0])
             from_torch = bool(chain and chain[0] in aliases)
             if is_private(name) and (from_torch or (name not in own and name not in DOCUMENTED_UNDERSCORE)):
                 found.add((node.lineno, name))
