@@ -133,6 +133,25 @@ def test_missing_paths_are_one_clear_error(tmp_path):
                            TOK, dp_rank=0, dp_world_size=1)
 
 
+def test_the_data_page_gives_the_defaults_of_the_data_keys():
+    """docs/data.md lists [data] keys with their defaults ("Keys of [data]"): each must be the key's default."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    from trainer.data.config import Data
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "data.md").read_text(encoding="utf-8")
+    listed = re.findall(r"`(\w+)` \(([^)]*)\)", text.split("## Keys of `[data]`", 1)[1])
+    defaults = {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
+                for f in dataclasses.fields(Data)}
+    assert len(listed) >= 10
+    for key, shown in listed:
+        value = defaults[key]
+        want = "None" if value is None else json.dumps(value)
+        assert shown.split(":")[0] == want, (key, shown, want)
+
+
 # --------------------------------------------------------------------------------------------------
 # Bad data
 # --------------------------------------------------------------------------------------------------
