@@ -474,3 +474,43 @@ def test_token_files_as_the_validation_source(formats, tokenizer):
     half = sum(len(d) for d in DOCS[len(DOCS) // 2:])
     assert len(batches) == (half // 33) // 4
     assert batches[0]["input"][0].tolist() == np.concatenate(DOCS[len(DOCS) // 2:])[:32].tolist()
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_a_raw_file_at_the_other_width_is_refused_naming_numpy_dtype(formats, tmp_path, tokenizer, capsys,
+                                                                     monkeypatch):
+    """Headerless files written by numpy in both widths, for a 16-bit vocabulary: read at the other width, every
+    reader of them (training, inspect, audit) stops in the same line naming data.numpy_dtype; read at their own
+    width, both give the same batches."""
+    wide = write_numpy(tmp_path / "wide.npy", DOCS, np.uint32)
+    narrow = write_numpy(tmp_path / "narrow.npy", DOCS, np.uint16)
+    lines = {}
+    for tool in (["inspect", "--source", f"numpy:{wide}"],
+                 ["audit", "--training.dataset", "numpy", "--training.dataset_path", str(wide)]):
+        assert data_main(tool) == 4
+        lines[tool[0]] = _one_line(capsys)
+    assert lines["inspect"] == lines["audit"] == (
+        f"data error: {wide}: looks like uint32 tokens, read here as uint16 (100% of its odd uint16 values are 0); "
+        "set data.numpy_dtype = uint32 (a raw file carries no type)")
+    rc, log = train_in_process(tmp_path / "out", "--training.steps", "1", "--training.dataset", "numpy",
+                               "--training.dataset_path", str(wide), monkeypatch=monkeypatch)
+    assert rc == 4 and lines["inspect"].split(": ", 1)[1] in log and "Traceback" not in log, log[-3000:]
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()  # stopped before training a step
+
+    # (an odd count of uint16 is not a whole number of uint32: then one more document, its EOS alone)
+    even = DOCS if sum(map(len, DOCS)) % 2 == 0 else [*DOCS, DOCS[0][-1:]]
+    narrow_even = write_numpy(tmp_path / "narrow_even.npy", even, np.uint16)
+    assert data_main(["inspect", "--source", f"numpy:{narrow_even}", "--data.numpy_dtype", "uint32"]) == 4
+    assert "looks like uint16 tokens, read here as uint32" in _one_line(capsys)
+
+    as_wide = loader(wide, "numpy", tokenizer, **{"data.numpy_dtype": "uint32"})
+    as_narrow = loader(narrow, "numpy", tokenizer)
+    for a, b in zip(draw(as_wide, 6), draw(as_narrow, 6)):
+        assert torch.equal(a["input"], b["input"]) and torch.equal(a["doc_ids"], b["doc_ids"])
+    as_wide.close()
+    as_narrow.close()

@@ -55,8 +55,9 @@ class Data:
     (data.text_field)."""
     numpy_dtype: Literal["auto", "uint16", "uint32"] = "auto"
     """Token type of numpy sources without an NPY header (OLMo's raw .npy arrays). auto: uint16 when the
-    model's vocabulary fits in 16 bits, else uint32. A file with an NPY header is read as its header says
-    (with a warning when that differs from the type set here)."""
+    model's vocabulary fits in 16 bits, else uint32. A raw file that looks written at the other width (uint32
+    tokens read as uint16: every second uint16 is 0) is refused, naming this key. A file with an NPY header is
+    read as its header says (with a warning when that differs from the type set here)."""
     append_eos: bool = False
     """Append the tokenizer's EOS to every pre-tokenized document (megatron, numpy, token arrow) that does not
     already end with it, for files stored without separators (fms-fsdp's loader adds the delimiter when it

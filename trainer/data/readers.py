@@ -40,6 +40,7 @@ MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int6
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, document indices
 _NPY_MAGIC = b"\x93NUMPY"
 _SCAN = 1 << 24  # tokens per step when scanning a file for EOS or checking pointers (bounded memory)
+_WIDTH_SAMPLE = 1 << 16  # uint16 halves read to tell a raw file's token width (4 places of 32 KiB)
 
 
 def check_dtype(path: str, dtype, opts: SourceOptions) -> None:
@@ -291,9 +292,10 @@ def numpy_sidecar(path: str) -> str:
     return path[:-4] + ".csv.gz" if path.endswith(".npy") else path + ".csv.gz"
 
 
-def open_numpy_tokens(path: str, opts: SourceOptions) -> np.ndarray:
+def open_numpy_tokens(path: str, opts: SourceOptions, *, check_width: bool = False) -> np.ndarray:
     """A flat token file as an array over a memory map: the NPY header's dtype, else data.numpy_dtype (auto:
-    uint16 when the model's vocabulary fits in 16 bits, else uint32)."""
+    uint16 when the model's vocabulary fits in 16 bits, else uint32). ``check_width``: a raw file that looks
+    written at the other width is a DataError naming data.numpy_dtype (a sample is read; done once per source)."""
     size = os.path.getsize(path)
     if size == 0:
         raise DataError(f"{path}: empty file (no tokens); leave it out of the data path")
@@ -318,7 +320,42 @@ def open_numpy_tokens(path: str, opts: SourceOptions) -> np.ndarray:
     if size % dtype.itemsize:
         raise DataError(f"{path}: {size} bytes is not a whole number of {dtype} tokens (a truncated file, or not "
                         f"{dtype}: set data.numpy_dtype)")
+    if check_width:
+        _check_raw_width(path, size, dtype, opts)
     return _token_map(path, dtype)
+
+
+def _width_sample(path: str, size: int) -> np.ndarray:
+    """Up to _WIDTH_SAMPLE uint16 halves of a raw file, in aligned pairs, from four evenly spaced places."""
+    halves = (size // 4) * 2  # whole uint32 words only, so that pairs line up
+    if halves <= _WIDTH_SAMPLE:
+        return np.fromfile(path, dtype=np.uint16, count=halves)
+    every = np.memmap(path, dtype=np.uint16, mode="r", shape=(halves,))
+    piece = _WIDTH_SAMPLE // 4
+    starts = np.linspace(0, halves - piece, 4).astype(np.int64) // 2 * 2
+    return np.concatenate([np.asarray(every[a:a + piece]) for a in starts])
+
+
+def _check_raw_width(path: str, size: int, dtype: np.dtype, opts: SourceOptions) -> None:
+    """A raw file read at the wrong width trains garbage without any other error, so a sample of it is checked:
+    uint32 tokens of a 16-bit vocabulary read as uint16 make every second uint16 (the high halves) 0, which
+    also puts every EOS at an even position followed by a 0 (read as BOS where BOS is 0); uint16 tokens read
+    as uint32 make ids far above the vocabulary."""
+    sample = _width_sample(path, size)
+    if len(sample) < 16:
+        return  # too few tokens to tell
+    low, high = sample[0::2], sample[1::2]
+    high_zero = float(np.mean(high == 0))
+    if dtype == np.uint16 and high_zero >= 0.99 and float(np.mean(low == 0)) < 0.5:
+        raise DataError(f"{path}: looks like uint32 tokens, read here as uint16 ({high_zero:.0%} of its odd uint16 "
+                        "values are 0); set data.numpy_dtype = uint32 (a raw file carries no type)")
+    vocab = opts.vocab_size or opts.tokenizer_vocab
+    if dtype == np.uint32 and 0 < vocab <= 1 << 16:
+        outside = float(np.mean(sample.view(np.uint32) >= vocab))
+        if outside >= 0.5 and float(np.mean(sample < vocab)) >= 0.99:
+            raise DataError(f"{path}: looks like uint16 tokens, read here as uint32 ({outside:.0%} of its ids are at "
+                            f"or above the vocabulary of {vocab}, its uint16 values are not); set data.numpy_dtype = "
+                            "uint16 (a raw file carries no type)")
 
 
 def numpy_documents(path: str, tokens: np.ndarray, eos_id: int | None) -> tuple[np.ndarray, np.ndarray]:
@@ -366,7 +403,7 @@ class NumpySource(_TokenFileSource):
         self.units = expand_files(spec, self.extensions)
         self._counts: dict[int, int] = {}
         for path in self.units:
-            tokens = open_numpy_tokens(path, opts)
+            tokens = open_numpy_tokens(path, opts, check_width=True)
             self.sizes.append(len(tokens))
             self.dtypes.append(tokens.dtype)
         asked = np.dtype(opts.numpy_dtype) if opts.numpy_dtype != "auto" else None
