@@ -514,3 +514,22 @@ def test_a_raw_file_at_the_other_width_is_refused_naming_numpy_dtype(formats, tm
         assert torch.equal(a["input"], b["input"]) and torch.equal(a["doc_ids"], b["doc_ids"])
     as_wide.close()
     as_narrow.close()
+
+
+def test_an_explicit_kind_on_half_of_a_megatron_pair_is_refused_naming_megatron(tmp_path, capsys, monkeypatch):
+    """numpy:A_text_document.bin would train the .bin as flat tokens without the .idx's documents: refused in one
+    line naming megatron:, by the launcher's checks and by every reader (a glob, another kind, the bare prefix)."""
+    prefix = str(write_megatron(tmp_path / "A_text_document", DOCS[:40]))
+    rc, log = train_in_process(tmp_path / "out", "--training.steps", "1", "--data.sources",
+                               f"numpy:{prefix}.bin", monkeypatch=monkeypatch)
+    assert rc == 2 and "Traceback" not in log, log[-3000:]
+    assert (f"data.sources[0]: {prefix}.bin is half of a Megatron .bin/.idx pair, which the numpy kind would read "
+            f"without the .idx's document boundaries; write megatron:{prefix}") in log
+    for spec, words in ((f"numpy:{prefix}.bin", f"write megatron:{prefix}"),
+                        (f"text:{tmp_path}/A*", f"{prefix}.bin is half of a Megatron .bin/.idx pair"),
+                        (f"numpy:{prefix}", f"it is the prefix of a Megatron .idx/.bin pair: write megatron:{prefix}")):
+        tool = ["inspect", "--source", spec] if spec.startswith("numpy") else ["audit", "--data.sources", spec]
+        assert data_main(tool) == 2, spec
+        assert words in _one_line(capsys), spec
+    assert data_main(["inspect", "--json", "--source", f"megatron:{prefix}.bin"]) == 0  # the right kind reads it
+    capsys.readouterr()

@@ -9,6 +9,7 @@ import logging
 import os
 
 from trainer.data.c4 import DataNotLocal
+from trainer.data.source_base import refuse_megatron_halves
 from trainer.data.sources import training_specs, validation_spec
 from trainer.errors import ConfigError
 
@@ -80,7 +81,8 @@ def check_layout(config, dp: int) -> None:
 
 
 def check_paths(config) -> None:
-    """What the run will read exists (stat only): one line before any process starts, not a worker's failure."""
+    """What the run will read exists (stat only, and the magic of a Megatron .idx beside a file another kind would
+    read): one line before any process starts, not a worker's failure."""
     specs = training_specs(config)[0] + ([validation_spec(config)] if config.validation.enable else [])
     for spec in specs:
         path = os.path.expanduser(spec.path)
@@ -88,6 +90,8 @@ def check_paths(config) -> None:
             continue  # hub names and globs resolve when the loader lists them
         if spec.kind == "megatron" and os.path.isfile(path + ".idx"):
             continue  # a Megatron path prefix ("..._text_document" for its .idx/.bin pair)
+        if spec.kind != "megatron" and os.path.isfile(path):
+            refuse_megatron_halves(spec, [path])
         if not os.path.exists(path):
             hint = ""
             if os.path.isfile(path + ".idx"):  # a Megatron prefix read as another kind (training.dataset left as is)

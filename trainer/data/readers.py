@@ -27,13 +27,13 @@ from typing import Any
 import numpy as np
 
 from trainer.data.source_base import (
-    EMPTY, MALFORMED, OK, Source, SourceOptions, SourceSpec, expand_files, import_pyarrow, range_part, text_status,
+    EMPTY, MALFORMED, MEGATRON_MAGIC, OK, Source, SourceOptions, SourceSpec, expand_files, import_pyarrow, range_part,
+    text_status,
 )
 from trainer.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
 
-MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 # Megatron's dtype codes (megatron.core.datasets.indexed_dataset.DType).
 MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
                    8: np.uint16}

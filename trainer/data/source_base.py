@@ -20,6 +20,7 @@ OK, EMPTY, MALFORMED, UNDECODABLE = 0, 1, 2, 3
 MISSING_FIELD = "missing field"
 # A line-based block stops after this many bytes even if it holds fewer than shuffle_window documents.
 BLOCK_BYTES = 8 << 20
+MEGATRON_MAGIC = b"MMIDIDX\x00\x00"  # the first bytes of a Megatron .idx
 
 
 @dataclass(frozen=True)
@@ -51,23 +52,51 @@ class SourceOptions:
 
 
 def expand_files(spec: SourceSpec, extensions: tuple[str, ...]) -> list[str]:
-    """Files of a path, folder (searched recursively for `extensions`) or glob; sorted; never empty."""
+    """Files of a path, folder (searched recursively for `extensions`) or glob; sorted; never empty. Half of a
+    Megatron .bin/.idx pair is refused: another kind would read it without its document boundaries."""
     path = os.path.expanduser(spec.path)
     if any(ch in path for ch in "*?["):
         files = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
         if not files:
             raise ConfigError(f"{spec.key}: no files match {spec.path!r}")
-        return files
-    if os.path.isdir(path):
+    elif os.path.isdir(path):
         files = sorted(
             str(p) for p in Path(path).rglob("*") if p.is_file() and data_suffix(str(p)) in extensions
         )
         if not files:
             raise ConfigError(f"{spec.key}: folder {spec.path!r} holds no {'/'.join(extensions)} files")
-        return files
-    if not os.path.isfile(path):
-        raise ConfigError(f"{spec.key}: no such file {spec.path!r}")
-    return [path]
+    elif os.path.isfile(path):
+        files = [path]
+    else:
+        hint = (f"; it is the prefix of a Megatron .idx/.bin pair: write megatron:{spec.path}"
+                if megatron_pair(path + ".idx") else "")
+        raise ConfigError(f"{spec.key}: no such file {spec.path!r}{hint}")
+    refuse_megatron_halves(spec, files)
+    return files
+
+
+def refuse_megatron_halves(spec: SourceSpec, files: list[str]) -> None:
+    """A ConfigError naming ``megatron:`` when one of a non-megatron source's files is half of a Megatron pair."""
+    for f in files:
+        prefix = megatron_pair(f)
+        if prefix is not None:
+            # (the user's own spelling where the spec is that one file)
+            shown = spec.path[:-4] if f == os.path.expanduser(spec.path) else prefix
+            raise ConfigError(f"{spec.key}: {f} is half of a Megatron .bin/.idx pair, which the {spec.kind} kind "
+                              f"would read without the .idx's document boundaries; write megatron:{shown}")
+
+
+def megatron_pair(path: str) -> str | None:
+    """The prefix of the Megatron dataset a ``.bin`` or ``.idx`` file belongs to (its ``.idx`` starts with
+    Megatron's magic and its ``.bin`` is there), else None."""
+    stem, suffix = path[:-4], path[-4:]
+    if suffix not in (".bin", ".idx") or not os.path.isfile(stem + ".bin"):
+        return None
+    try:
+        with open(stem + ".idx", "rb") as f:
+            return stem if f.read(len(MEGATRON_MAGIC)) == MEGATRON_MAGIC else None
+    except OSError:
+        return None
 
 
 def range_part(size: int, shard: int, num_shards: int) -> tuple[int, int]:
