@@ -133,6 +133,44 @@ def test_missing_paths_are_one_clear_error(tmp_path):
                            TOK, dp_rank=0, dp_world_size=1)
 
 
+def test_megatron_inline_weights_and_a_kind_in_a_dataset_path(tmp_path, capsys, monkeypatch):
+    """Megatron's ``--data-path 0.3 A 0.7 B`` habit written as data.sources, and KIND:PATH as a dataset path: the
+    launcher's pre-flight and trainer data audit take both; a weight anywhere else is one line naming data.weights."""
+    from tests.support.token_files import ASSETS
+    from trainer.config.reference import main as config_main
+    from trainer.data.cli import main as data_main
+
+    monkeypatch.delenv("CONFIG_FILE", raising=False)
+    a, b = (ASSETS / "megatron" / f"part{i}_text_document" for i in (0, 1))
+    inline = ["--data.sources", f"0.3,megatron:{a},0.7,megatron:{b}"]
+    check = ["--check", "--job.dump_folder", str(tmp_path / "out")]
+    assert config_main([*check, *inline]) == 0
+    assert config_main([*check, "--training.dataset_path", f"megatron:{a}", "--validation.enable", "true",
+                        "--validation.dataset_path", f"megatron:{b}"]) == 0
+    assert data_main(["audit", "--json", "--sequences", "400", "--training.seq_len", "16", *inline]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["sources"] == [f"megatron:{a}", f"megatron:{b}"]
+    assert [m["weight"] for m in report["mixture"]] == pytest.approx([0.3, 0.7])
+    assert [m["share"] for m in report["mixture"]] == pytest.approx([0.3, 0.7], abs=0.03)
+    assert data_main(["audit", "--json", "--training.seq_len", "16", "--training.dataset_path", f"megatron:{a}"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["sources"] == [f"megatron:{a}"] and report["separator"] == "as stored"
+
+    for args, words in (
+            (["--data.sources", f"megatron:{a},0.7,megatron:{b}"],
+             "data.sources[1]: '0.7' is a weight, not a source; give the weights with data.weights"),
+            ([*inline, "--data.weights", "1,1"],
+             "data.sources[0]: '0.3' is a weight, not a source; data.weights is set"),
+            (["--data.sources", f"-1,megatron:{a},1,megatron:{b}"],
+             "data.sources[0]: a weight must be a finite number"),
+            (["--training.dataset", "numpy", "--training.dataset_path", f"megatron:{a}"],
+             f"training.dataset_path 'megatron:{a}' names the kind 'megatron' but training.dataset is 'numpy'; set "
+             "training.dataset megatron")):
+        assert config_main([*check, *args]) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and words in err, (args, err)
+
+
 def test_the_data_page_gives_the_defaults_of_the_data_keys():
     """docs/data.md lists [data] keys with their defaults ("Keys of [data]"): each must be the key's default."""
     import dataclasses

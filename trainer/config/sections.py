@@ -64,7 +64,8 @@ class Training:
     c4_test (read from dataset_path: an allenai/c4 folder or JSON-lines/parquet files, gzipped or not), or
     a source kind with dataset_path."""
     dataset_path: str = ""
-    """Path or glob of the training data; empty uses the registered dataset's bundled location."""
+    """Path or glob of the training data (KIND:PATH names its kind, as in data.sources); empty uses the
+    registered dataset's bundled location."""
     local_batch_size: int = 8
     """Sequences per micro-batch on each data-parallel rank."""
     global_batch_size: int = -1
@@ -102,7 +103,8 @@ class Validation:
     """Validation data: registered dataset name, torchtitan's c4_validation (with dataset_path), or source
     kind."""
     dataset_path: str = ""
-    """Path or glob of the validation data; empty uses the registered dataset's validation split."""
+    """Path or glob of the validation data (KIND:PATH names its kind); empty uses the registered dataset's
+    validation split."""
     freq: int = 100
     """Validate every this many steps."""
     steps: int = 10

@@ -96,7 +96,8 @@ def check_paths(config) -> None:
             hint = ""
             if os.path.isfile(path + ".idx"):  # a Megatron prefix read as another kind (training.dataset left as is)
                 section = spec.key.split(".")[0]
-                hint = (f"; it is the prefix of a Megatron .idx/.bin pair: set {section}.dataset megatron"
-                        if spec.key.endswith(".dataset_path") else f"; it is the prefix of a Megatron .idx/.bin "
-                        f"pair: write megatron:{spec.path}")
+                fix = f"write megatron:{spec.path}"
+                if spec.key.endswith(".dataset_path"):
+                    fix = f"set {section}.dataset megatron (or {fix})"
+                hint = f"; it is the prefix of a Megatron .idx/.bin pair: {fix}"
             raise ConfigError(f"{spec.key}: no such file or folder {spec.path!r}{hint}")

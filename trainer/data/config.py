@@ -14,7 +14,9 @@ from typing import Literal
 class Data:
     sources: list[str] = field(default_factory=list)
     """Training sources for a mixture, each "kind:path" (kinds: jsonl, text, parquet, arrow, tokens, hf,
-    megatron, numpy) or a registered name; paths may be globs. Empty: the single source training.dataset / training.dataset_path."""
+    megatron, numpy) or a registered name; paths may be globs. Megatron's form with a weight before each source
+    (0.3,megatron:A,0.7,megatron:B) sets the weights. Empty: the single source training.dataset /
+    training.dataset_path."""
     weights: list[float] = field(default_factory=list)
     """Mixture weights, one per entry of sources (normalised; shares are of tokens). Empty: equal weights.
     May be changed when resuming."""

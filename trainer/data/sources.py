@@ -133,10 +133,12 @@ def training_specs(config) -> tuple[list[SourceSpec], list[float]]:
         clash = [k for k in ("training.dataset", "training.dataset_path") if explicit(k)]
         if clash:
             raise ConfigError(f"set either data.sources or {' / '.join(clash)}, not both")
-        specs = [parse_source(s, key=f"data.sources[{i}]") for i, s in enumerate(d.sources)]
+        sources, inline = _inline_weights(list(d.sources), bool(d.weights))
+        specs = [parse_source(s, key=f"data.sources[{i}]") for i, s in enumerate(sources)]
     else:
         specs = [_single_spec(t.dataset, t.dataset_path, "training", "train")]
-    weights = list(d.weights) if d.weights else [1.0] * len(specs)
+        inline = None
+    weights = inline or (list(d.weights) if d.weights else [1.0] * len(specs))
     if len(weights) != len(specs):
         raise ConfigError(
             f"data.weights has {len(weights)} entries but there are {len(specs)} sources (data.sources); "
@@ -144,11 +146,39 @@ def training_specs(config) -> tuple[list[SourceSpec], list[float]]:
         )
     for i, w in enumerate(weights):
         if not (w >= 0.0) or w == float("inf"):
-            raise ConfigError(f"data.weights[{i}] must be a finite number >= 0, got {w}")
+            key = f"data.sources[{2 * i}]" if inline else f"data.weights[{i}]"
+            raise ConfigError(f"{key}: a weight must be a finite number >= 0, got {w}")
     total = sum(weights)
     if total <= 0:
         raise ConfigError("data.weights: at least one weight must be > 0")
     return specs, [w / total for w in weights]
+
+
+def _is_weight(text) -> bool:
+    """A number that is not the name of a file or folder."""
+    try:
+        float(text)
+    except (TypeError, ValueError):
+        return False
+    return not os.path.exists(os.path.expanduser(str(text)))
+
+
+def _inline_weights(sources: list, weights_set: bool) -> tuple[list[str], list[float] | None]:
+    """Megatron's ``--data-path 0.3 A 0.7 B`` written as data.sources (``0.3,megatron:A,0.7,megatron:B``): the
+    sources and their weights. Any other list with a number in it names data.weights."""
+    numbers = [_is_weight(s) for s in sources]
+    if not any(numbers):
+        return [str(s) for s in sources], None
+    megatron_form = len(sources) % 2 == 0 and all(numbers[0::2]) and not any(numbers[1::2])
+    if megatron_form and not weights_set:
+        return [str(s) for s in sources[1::2]], [float(w) for w in sources[0::2]]
+    i = numbers.index(True)
+    if megatron_form:
+        why = "data.weights is set too: give the weights in one of the two places"
+    else:
+        why = ("give the weights with data.weights (--data.weights 0.3,0.7), or before each of its sources as "
+               "Megatron's --data-path does (0.3,megatron:A,0.7,megatron:B)")
+    raise ConfigError(f"data.sources[{i}]: {sources[i]!r} is a weight, not a source; {why}")
 
 
 def validation_spec(config) -> SourceSpec:
@@ -158,6 +188,13 @@ def validation_spec(config) -> SourceSpec:
 
 def _single_spec(dataset: str, dataset_path: str, section: str, split: str) -> SourceSpec:
     key = f"{section}.dataset"
+    prefixed = _kind_prefix(dataset_path)
+    if prefixed is not None:  # "megatron:/data/x" as the path: the kind it names is the source's
+        path_key = f"{section}.dataset_path"
+        if dataset in KINDS and dataset != prefixed or dataset in C4_NAMES:
+            raise ConfigError(f"{path_key} {dataset_path!r} names the kind {prefixed!r} but {key} is {dataset!r}; "
+                              f"set {key} {prefixed}")
+        return parse_source(dataset_path, key=path_key, split=split)
     if dataset in C4_NAMES:  # torchtitan's names, from local files (trainer/data/c4.py)
         kind, path, path_key = c4_source(dataset, dataset_path, section)
         return SourceSpec(kind, path, path_key, f"{dataset}:{dataset_path}")
@@ -176,6 +213,14 @@ def _single_spec(dataset: str, dataset_path: str, section: str, split: str) -> S
         f"{key}: unknown dataset or source kind {dataset!r}; registered datasets: {', '.join([*REGISTRY, *C4_NAMES])}; "
         f"source kinds (with {section}.dataset_path): {', '.join(KINDS)}"
     )
+
+
+def _kind_prefix(path: str) -> str | None:
+    """The kind of a data path written "KIND:PATH" (a known kind, and no file of that literal name), else None."""
+    m = re.match(r"^([A-Za-z][A-Za-z0-9_]+):", path.strip())
+    if m is None or m.group(1).lower() not in KINDS or os.path.exists(os.path.expanduser(path.strip())):
+        return None
+    return m.group(1).lower()
 
 
 class _LineFileSource(Source):
