@@ -41,6 +41,43 @@ def test_audit_table_and_errors(tmp_path, capsys):
     assert "none.jsonl" in capsys.readouterr().err
 
 
+def test_without_a_config_file_the_data_tools_read_what_run_train_sh_trains(tmp_path, capsys, monkeypatch):
+    """No --job.config_file and no $CONFIG_FILE: the config ./run_train.sh trains by default (its seq_len, not the
+    bare default's 2048), named in the reports; $CONFIG_FILE is honoured as run_train.sh honours it."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    run_train_config = root / "train_configs" / "debug_model.toml"
+    assert 'CONFIG_FILE=${CONFIG_FILE:-"$ROOT/train_configs/debug_model.toml"}' in (root / "run_train.sh").read_text()
+    monkeypatch.delenv("CONFIG_FILE", raising=False)
+    assert main(["audit", "--json", "--sequences", "4"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    want = tomllib.loads(run_train_config.read_text())["training"]["seq_len"]
+    assert report["config"] == str(run_train_config) and report["seq_len"] == want != 2048
+    other = tmp_path / "other.toml"
+    other.write_text("[training]\nseq_len = 48\n")
+    monkeypatch.setenv("CONFIG_FILE", str(other))
+    assert main(["audit", "--sequences", "4"]) == 0
+    out = capsys.readouterr().out
+    lines = [line.split() for line in out.splitlines()]
+    assert lines[0] == ["config", str(other)], out
+    assert lines[2][:6] == ["seq_len", "/", "shards", "/", "separator", "48"], out
+
+
+def test_an_audit_that_packs_nothing_exits_4_after_its_report(tmp_path, capsys):
+    """Fewer tokens per shard than a window: the report, then one line with the reason and the data exit code. The
+    shard count left at its default is lowered for the small source as training lowers it."""
+    write_jsonl(tmp_path / "a.jsonl", synthetic_texts(20, seed=1))
+    assert main(["audit", "--json", "--data.sources", f"jsonl:{tmp_path}/a.jsonl", "--training.seq_len", "1024"]) == 4
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert report["sequences"] == 0 and 1 < report["num_shards"] < 64
+    assert len(err.strip().splitlines()) == 1 and err.startswith(
+        "data error: trainer data audit: packed no sequence: no shard holds seq_len + 1 = 1025 tokens"), err
+    assert "lower training.seq_len or data.num_shards" in err
+
+
 def test_prepare_command(tmp_path, capsys):
     write_jsonl(tmp_path / "a.jsonl", synthetic_texts(30, seed=2))
     out = tmp_path / "prepared"

@@ -6,6 +6,7 @@ data exit code."""
 from __future__ import annotations
 
 import gzip
+import json
 import logging
 import os
 import shutil
@@ -533,3 +534,20 @@ def test_an_explicit_kind_on_half_of_a_megatron_pair_is_refused_naming_megatron(
         assert words in _one_line(capsys), spec
     assert data_main(["inspect", "--json", "--source", f"megatron:{prefix}.bin"]) == 0  # the right kind reads it
     capsys.readouterr()
+
+
+def test_audit_exits_4_when_token_files_do_not_give_one_separator_per_boundary(tmp_path, capsys):
+    """Documents stored without EOS (0 per boundary) and with BOS and EOS (2 per boundary): the report, then one
+    line with the reason and the data exit code; data.append_eos makes the first one pass."""
+    no_eos = write_arrow(tmp_path / "no_eos.arrow", [d[:-1] for d in DOCS[:60]])
+    both = write_numpy(tmp_path / "both.npy", [np.concatenate([[0], d]) for d in DOCS[:60]])
+    common = ["audit", "--json", "--training.seq_len", "32", "--data.num_shards", "2"]
+    assert data_main([*common, "--data.sources", f"arrow:{no_eos}"]) == 4
+    out, err = capsys.readouterr()
+    assert json.loads(out)["missing_separators"] > 0 and len(err.strip().splitlines()) == 1
+    assert "0.0000 separators per document boundary, not 1" in err and "set data.append_eos = true" in err
+    assert data_main([*common, "--data.sources", f"arrow:{no_eos}", "--data.append_eos", "true"]) == 0
+    assert json.loads(capsys.readouterr().out)["separators_per_boundary"] == 1.0
+    assert data_main([*common, "--data.sources", f"numpy:{both}"]) == 4
+    err = _one_line(capsys)
+    assert "2.0000 separators per document boundary, not 1" in err and "hold a separator at both ends" in err

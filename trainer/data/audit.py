@@ -33,8 +33,10 @@ def audit(config, tokenizer, *, max_sequences: int | None = None) -> dict:
     """
     d = config.data
     specs, weights = training_specs(config)
+    # data.num_shards left at its default: lowered for a small source as training lowers it (on one rank)
+    fit = None if config.explicitly_set("data.num_shards") else 1
     plan = build_plan(config, tokenizer, specs, weights, num_shards=d.num_shards, shuffle=d.shuffle,
-                      max_epochs=None if max_sequences is not None else 1)
+                      max_epochs=None if max_sequences is not None else 1, shard_multiple=fit)
     literal = LiteralSpecials(tokenizer)
     plan = dataclasses.replace(plan, debug=True, positions=True, tokenizer=literal)
     streams = [ShardStream(j, plan) for j in range(plan.num_shards)]
@@ -60,6 +62,7 @@ def audit(config, tokenizer, *, max_sequences: int | None = None) -> dict:
         "seq_len": plan.seq_len,
         "num_shards": plan.num_shards,
         "separator": plan.separator if not all(s.verbatim for s in plan.sources) else "as stored",
+        "as_stored_sources": [s.label for s in plan.sources if s.verbatim],
         "mode": "one pass" if max_sequences is None else f"{max_sequences} sequences",
         "documents": stats["documents"],
         "tokens": stats["tokens"],
@@ -152,9 +155,35 @@ def _literal_row(literal: dict) -> str:
     return f"{literal['documents']:,} ({shown}; trained as plain text)"
 
 
+def audit_problem(report: dict) -> str | None:
+    """Why the audited data would not train as the docs promise (one line), or None: no sequence packed, or a
+    document boundary without exactly one separator."""
+    if not report["sequences"]:
+        return (f"packed no sequence: no shard holds seq_len + 1 = {report['seq_len'] + 1} tokens of its sources "
+                f"({report['tokens']:,} document tokens over {report['num_shards']} shards); lower training.seq_len or "
+                "data.num_shards")
+    b, ratio = report["boundaries"], report["separators_per_boundary"]
+    if not b or (ratio == 1.0 and not report["missing_separators"]):
+        return None
+    stored = report.get("as_stored_sources", [])
+    if report["missing_separators"] and report["documents_without_eos"]:
+        fix = ("pre-tokenized documents do not end with EOS: set data.append_eos = true (or write the files with an "
+               "EOS at the end of each document)")
+    elif stored:
+        fix = (f"the token files ({', '.join(stored)}) hold a separator at both ends of their documents or none, or "
+               "were read at the wrong width (data.numpy_dtype); trainer data inspect shows how their documents "
+               "start and end")
+    else:  # packing adds exactly one to every text document
+        fix = "packing text gives one separator per boundary: report this as a bug, with the config"
+    return (f"{ratio:.4f} separators per document boundary, not 1 ({report['missing_separators']:,} of {b:,} "
+            f"boundaries without one, {report['doubled_separators']:,} doubled separators); {fix}")
+
+
 def format_table(report: dict) -> str:
     """The audit report for people."""
+    boundaries = report["boundaries"]
     rows = [
+        *([("config", report["config"])] if "config" in report else []),
         ("sources", ", ".join(report["sources"])),
         ("seq_len / shards / separator", f"{report['seq_len']} / {report['num_shards']} / {report['separator']}"),
         ("walked", report["mode"]),
@@ -162,7 +191,7 @@ def format_table(report: dict) -> str:
         ("document tokens", f"{report['tokens']:,}"),
         ("packed sequences", f"{report['sequences']:,} ({report['sequence_tokens']:,} tokens)"),
         ("document boundaries", f"{report['boundaries']:,}"),
-        ("separators per boundary", f"{report['separators_per_boundary']:.4f}"),
+        ("separators per boundary", f"{report['separators_per_boundary']:.4f}" if boundaries else "- (no boundary)"),
         ("doubled separators", f"{report['doubled_separators']:,}"),
         ("boundaries without separator", f"{report['missing_separators']:,}"),
         ("tokenizer-added separators removed", f"{report['stripped_separators']:,}"),

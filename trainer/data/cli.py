@@ -5,8 +5,9 @@
     trainer data prepare --output DIR [--source SPEC] [--workers N] [--overwrite] [CONFIG OVERRIDES]
 
 Config overrides are the training command line (``--job.config_file x.toml --training.seq_len 256``),
-optionally after a ``--``; without any, the defaults (the bundled Shakespeare corpus and the debug
-tokenizer) are used.
+optionally after a ``--``. Without a config file (``--job.config_file`` or ``$CONFIG_FILE``) the config is
+the one ``./run_train.sh`` trains by default, train_configs/debug_model.toml; the reports name the file.
+An audit that finds a boundary without exactly one separator, or packs no sequence, exits 4 with the reason.
 """
 
 from __future__ import annotations
@@ -14,9 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from trainer.config import ConfigError, load_config, validate
-from trainer.errors import TrainerError
+from trainer.errors import DataError, TrainerError
+
+# What ./run_train.sh trains without CONFIG_FILE; the data tools default to it too.
+RUN_TRAIN_CONFIG = Path(__file__).resolve().parents[2] / "train_configs" / "debug_model.toml"
 
 
 def _build_tokenizer(config):
@@ -34,11 +39,15 @@ def _split_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trainer data", description="Inspect and prepare training data.")
+    parser = argparse.ArgumentParser(prog="trainer data", description="Inspect and prepare training data. The config "
+                                     "is the training command line's; without a config file (--job.config_file or "
+                                     "CONFIG_FILE), train_configs/debug_model.toml, as ./run_train.sh.")
     sub = parser.add_subparsers(dest="command", required=True)
     a = sub.add_parser("audit", help="report documents, tokens, sequences, separators, skips and mixture shares",
-                       description="Walk the training data of a config (one pass by default) and report on it. "
-                                   "Other options are config overrides, as for training.")
+                       description="Walk the training data of a config (one pass by default) and report on it; "
+                                   "exit 4 after the report when no sequence is packed or a document boundary does "
+                                   "not carry exactly one separator. Other options are config overrides, as for "
+                                   "training.")
     a.add_argument("--json", action="store_true", help="print the report as JSON (for scripts)")
     a.add_argument("--sequences", type=int, default=None,
                    help="stop after this many packed sequences (default: one full pass over the data)")
@@ -69,6 +78,8 @@ def main(argv: list[str]) -> int:
     args, overrides = _split_overrides(parser, list(argv))
     try:
         config = load_config(overrides)
+        if not config.job.config_file and RUN_TRAIN_CONFIG.is_file():
+            config = load_config(["--job.config_file", str(RUN_TRAIN_CONFIG), *overrides])
         validate(config)
         tokenizer = _build_tokenizer(config)
         if args.command == "audit":
@@ -90,21 +101,33 @@ def _inspect(args, config, tokenizer) -> int:
     if args.documents is not None and args.documents < 1:
         raise ConfigError("--documents must be >= 1")
     reports = inspect_sources(config, tokenizer, args.source, max_documents=args.documents)
+    for r in reports:
+        r["config"] = config_name(config)
     print(json.dumps(reports, indent=2) if args.json else format_reports(reports))
     return 0
 
 
+def config_name(config) -> str:
+    """The config file a data tool read, as the reports show it."""
+    return config.job.config_file or "none (built-in defaults)"
+
+
 def _audit(args, config, tokenizer) -> int:
-    from trainer.data.audit import audit, format_table
+    from trainer.data.audit import audit, audit_problem, format_table
 
     if args.sequences is not None and args.sequences < 1:
         print("error: --sequences must be >= 1", file=sys.stderr)
         return 2
     report = audit(config, tokenizer, max_sequences=args.sequences)
+    report["config"] = config_name(config)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print(format_table(report))
+    problem = audit_problem(report)
+    if problem:
+        sys.stdout.flush()  # the report first, then the one line on stderr
+        raise DataError(f"trainer data audit: {problem}")
     return 0
 
 
@@ -124,6 +147,7 @@ def _prepare(args, config, tokenizer) -> int:
                    text_document=config.data.text_document, overwrite=args.overwrite,
                    progress=not args.no_progress)
     s = meta["stats"]
+    print(f"config: {config_name(config)}")
     print(f"wrote {args.output}: {s['documents']:,} documents, {s['tokens']:,} tokens ({meta['dtype']}); skipped "
           f"empty {s['skipped_empty']:,}, malformed {s['skipped_malformed']:,}, undecodable {s['skipped_undecodable']:,}")
     print(f"train on it with --data.sources tokens:{args.output} (or --training.dataset tokens "

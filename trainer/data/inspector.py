@@ -82,6 +82,7 @@ def format_reports(reports: list[dict]) -> str:
     for r in reports:
         rows = [
             ("source", f"{r['source']} ({r['kind']}, {r['files']} file(s))"),
+            *([("config", r["config"])] if "config" in r else []),
             ("documents", f"{r['documents']:,}" + (f" (+{r['skipped']:,} empty or unreadable)" if r["skipped"] else "")),
             ("tokens", f"{r['tokens']:,}"),
             ("document length min / mean / max", f"{r['length_min']:,} / {r['length_mean']:,.1f} / {r['length_max']:,}"),
