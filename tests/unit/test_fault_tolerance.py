@@ -173,6 +173,7 @@ def test_a_diloco_run_names_its_outer_optimizer_and_settings_in_one_line():
     assert default.startswith("fault tolerance: DiLoCo, 2 fragment(s), one synchronised every 3 step(s); outer "
                               "optimizer SGD lr 0.7, momentum 0.9, Nesterov (the default, torchtitan's"), default
     assert "for short runs see docs/multinode.md (fault_tolerance.outer_lr, outer_momentum)" in default
+    assert line() in (ROOT / "docs" / "multinode.md").read_text().splitlines()  # the line the page quotes
     assert line("--fault_tolerance.outer_lr", "1", "--fault_tolerance.outer_momentum", "0") == (
         "fault tolerance: DiLoCo, 1 fragment(s), one synchronised every 5 step(s); outer optimizer SGD lr 1, "
         "momentum 0 (fault_tolerance.outer_lr, outer_momentum)")
