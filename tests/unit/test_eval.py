@@ -217,15 +217,18 @@ def test_an_output_path_that_cannot_take_the_results_is_one_line_before_evaluati
 
 
 def test_results_that_cannot_be_saved_are_one_line_and_exit_5_after_the_table(run, capsys, tmp_path, monkeypatch):
-    """A save that fails during the evaluation (here the disk fills up when lm-eval writes the results file:
-    it logs that and goes on): one line, exit 5 (OutputError), no "results written", the table still printed."""
+    """A save that fails during the evaluation (here the disk fills up when the results file is written; in
+    lm-eval's folder layout lm-eval logs that and goes on): one line, exit 5 (OutputError), no "results
+    written", the table still printed."""
     import errno
     import logging
+
+    from lm_eval.utils import sanitize_model_name
 
     real_write = Path.write_text
 
     def full_disk(path, *args, **kwargs):
-        if path.name.startswith("results_"):
+        if path.name.startswith("results_") or path.name == "lost.json":
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return real_write(path, *args, **kwargs)
 
@@ -235,14 +238,18 @@ def test_results_that_cannot_be_saved_are_one_line_and_exit_5_after_the_table(ru
     handler.emit = lambda record: records.append(record.getMessage())
     logging.getLogger("trainer").addHandler(handler)
     try:
-        rc = eval_main(["--checkpoint", str(run["dump"]), "--tasks", "tiny_mc", "--include_path", str(TASKS_DIR),
-                        "--limit", "2", "--output_path", str(tmp_path / "out")])
+        for output, says in [(tmp_path / "out", f"could not be written under {tmp_path / 'out'}"),
+                             (tmp_path / "lost.json", f"could not be written to {tmp_path / 'lost.json'} (No space")]:
+            rc = eval_main(["--checkpoint", str(run["dump"]), "--tasks", "tiny_mc", "--include_path",
+                            str(TASKS_DIR), "--limit", "2", "--output_path", str(output)])
+            out, err = capsys.readouterr()
+            line = [l for l in err.splitlines() if l.startswith("trainer eval:")]
+            assert rc == 5 and len(line) == 1 and says in line[0], err
+            assert "Traceback" not in err and "tiny_mc" in out
     finally:
         logging.getLogger("trainer").removeHandler(handler)
-    out, err = capsys.readouterr()
-    line = [l for l in err.splitlines() if l.startswith("trainer eval:")]
-    assert rc == 5 and len(line) == 1 and f"could not be written under {tmp_path / 'out'}" in line[0], err
-    assert "tiny_mc" in out and not any("results written" in r for r in records), records
-    assert not list((tmp_path / "out").rglob("results_*.json"))
+    assert not any("results written" in r for r in records), records
+    assert not list(tmp_path.rglob("results_*.json")) and not (tmp_path / "lost.json").exists()
     # The model folder lm-eval made before the write failed: named from the checkpoint's absolute path.
-    assert [p.name for p in (tmp_path / "out").iterdir()] == [str(run["dump"].resolve()).replace("/", "__")]
+    assert [p.name for p in (tmp_path / "out").iterdir()] == [sanitize_model_name(str(run["dump"].resolve()))]
+    assert sanitize_model_name(str(run["dump"].resolve())) == str(run["dump"].resolve()).replace("/", "__")

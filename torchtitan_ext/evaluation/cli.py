@@ -347,9 +347,13 @@ def _save(results: dict, tracker, model: str, model_args: dict, args) -> Path | 
         return None
     if args.output_path.endswith(".json"):
         out = Path(args.output_path)
-        out.parent.mkdir(parents=True, exist_ok=True)
         body = dict(results, samples=samples) if samples is not None else results
-        out.write_text(json.dumps(body, indent=2, default=handle_non_serializable, ensure_ascii=False))
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(body, indent=2, default=handle_non_serializable, ensure_ascii=False))
+        except OSError as e:
+            raise OutputError(f"the results could not be written to {out} ({e.strerror or e}); the evaluation's "
+                              "table follows") from None
         logger.info("results written to %s", out)
         return out
     tracker.general_config_tracker.model_name = name
