@@ -210,3 +210,6 @@ def test_diloco_groups_synchronise_every_sync_steps(tmp_path):
     assert all(by_group[g][8]["replica_groups"] == 2 for g in (0, 1))
     assert by_group[0][8]["loss"] != by_group[1][8]["loss"]  # each group steps on its own part of the data
     assert summary(dump, 0)["weights_sha256"] == summary(dump, 1)["weights_sha256"]
+    for g in (0, 1):  # each group said once which outer optimizer it uses
+        log = (tmp_path / f"group{g}.log").read_text()
+        assert log.count("outer optimizer SGD lr 0.7, momentum 0.9, Nesterov (the default") == 1, log[-3000:]

@@ -188,3 +188,68 @@ def test_device_cuda_without_cuda_is_one_line(run, capsys):
                       "--device", "cuda"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no CUDA device" in err and "--device cpu" in err, err
+
+
+def test_an_output_path_that_cannot_take_the_results_is_one_line_before_evaluating(run, capsys, tmp_path):
+    """An existing file as --output_path (lm-eval's layout needs a folder there), a path under a file, a .json
+    name that is a folder, a model folder taken by a file: exit 2 in one line naming the path, before anything
+    is evaluated (no results table), and the file is left as it was. lm-eval itself only logs such a save,
+    after the whole evaluation."""
+    from lm_eval.utils import sanitize_model_name
+
+    taken = tmp_path / "results"
+    taken.write_text("earlier results\n")
+    (tmp_path / "folder.json").mkdir()
+    model_folder_taken = tmp_path / "out"
+    model_folder_taken.mkdir()
+    (model_folder_taken / sanitize_model_name(str(run["dump"].resolve()))).write_text("")
+    for output, says in [(taken, "is a file, not a folder"), (taken / "sub", f"({taken} is not a folder, so"),
+                         (taken / "r.json", f"({taken} is not a folder)"),
+                         (tmp_path / "folder.json", "is a folder: a path ending in .json names the results file"),
+                         (model_folder_taken, "is not a folder)")]:
+        rc = eval_main(["--checkpoint", str(run["dump"]), "--tasks", "tiny_mc", "--include_path", str(TASKS_DIR),
+                        "--limit", "2", "--output_path", str(output)])
+        out, err = capsys.readouterr()
+        assert rc == 2 and len(err.strip().splitlines()) == 1, (output, err)
+        assert err.startswith(f"trainer eval: --output_path {output}") and says in err, err
+        assert "acc" not in out, out  # no results table: nothing was evaluated
+    assert taken.read_text() == "earlier results\n"
+
+
+def test_results_that_cannot_be_saved_are_one_line_and_exit_5_after_the_table(run, capsys, tmp_path, monkeypatch):
+    """A save that fails during the evaluation (here the disk fills up when the results file is written; in
+    lm-eval's folder layout lm-eval logs that and goes on): one line, exit 5 (OutputError), no "results
+    written", the table still printed."""
+    import errno
+    import logging
+
+    from lm_eval.utils import sanitize_model_name
+
+    real_write = Path.write_text
+
+    def full_disk(path, *args, **kwargs):
+        if path.name.startswith("results_") or path.name == "lost.json":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_write(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("trainer").addHandler(handler)
+    try:
+        for output, says in [(tmp_path / "out", f"could not be written under {tmp_path / 'out'}"),
+                             (tmp_path / "lost.json", f"could not be written to {tmp_path / 'lost.json'} (No space")]:
+            rc = eval_main(["--checkpoint", str(run["dump"]), "--tasks", "tiny_mc", "--include_path",
+                            str(TASKS_DIR), "--limit", "2", "--output_path", str(output)])
+            out, err = capsys.readouterr()
+            line = [l for l in err.splitlines() if l.startswith("trainer eval:")]
+            assert rc == 5 and len(line) == 1 and says in line[0], err
+            assert "Traceback" not in err and "tiny_mc" in out
+    finally:
+        logging.getLogger("trainer").removeHandler(handler)
+    assert not any("results written" in r for r in records), records
+    assert not list(tmp_path.rglob("results_*.json")) and not (tmp_path / "lost.json").exists()
+    # The model folder lm-eval made before the write failed: named from the checkpoint's absolute path.
+    assert [p.name for p in (tmp_path / "out").iterdir()] == [sanitize_model_name(str(run["dump"].resolve()))]
+    assert sanitize_model_name(str(run["dump"].resolve())) == str(run["dump"].resolve()).replace("/", "__")

@@ -153,6 +153,34 @@ def test_dilocos_outer_optimizer_is_the_configured_sgd(tmp_path):
     assert script.last_mean([script.losses(metrics), {s: 0.0 for s in range(6, 11)}], 10) == 4.0
 
 
+def test_a_diloco_run_names_its_outer_optimizer_and_settings_in_one_line():
+    """The line a DiLoCo run logs once at start (tests/distributed/test_fault_tolerance.py sees it in a real
+    run's log): the outer optimizer as built, and where a short run should look when it is the default."""
+    pytest.importorskip("torchft")
+    import torch
+
+    from trainer.fault_tolerance.replicas import diloco_line, model_fragments, outer_optimizers
+    from trainer.models.config import resolve_model_args
+    from trainer.models.llama.model import Transformer
+
+    def line(*args: str) -> str:
+        c = config(*ENABLED, "--fault_tolerance.semi_sync_method", "diloco", *args).fault_tolerance
+        with torch.device("meta"):
+            model = Transformer(resolve_model_args(config(), 2048))
+        return diloco_line(c, outer_optimizers(model_fragments(model, c), c))
+
+    default = line("--fault_tolerance.sync_steps", "6", "--fault_tolerance.num_fragments", "2")
+    assert default.startswith("fault tolerance: DiLoCo, 2 fragment(s), one synchronised every 3 step(s); outer "
+                              "optimizer SGD lr 0.7, momentum 0.9, Nesterov (the default, torchtitan's"), default
+    assert "for short runs see docs/multinode.md (fault_tolerance.outer_lr, outer_momentum)" in default
+    assert line() in (ROOT / "docs" / "multinode.md").read_text().splitlines()  # the line the page quotes
+    assert line("--fault_tolerance.outer_lr", "1", "--fault_tolerance.outer_momentum", "0") == (
+        "fault tolerance: DiLoCo, 1 fragment(s), one synchronised every 5 step(s); outer optimizer SGD lr 1, "
+        "momentum 0 (fault_tolerance.outer_lr, outer_momentum)")
+    assert line("--fault_tolerance.outer_momentum", "0.5").endswith("lr 0.7, momentum 0.5, Nesterov "
+                                                                     "(fault_tolerance.outer_lr, outer_momentum)")
+
+
 def test_a_groups_checkpoints_merge_its_own_ranks_only():
     """The checkpoint manager is given the loader as the group's checkpoints see it: the merge keeps the
     states of this group's ranks (2..3 of 4 for group 1 with 2 ranks each); without fault tolerance it is

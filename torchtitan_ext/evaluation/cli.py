@@ -282,31 +282,92 @@ def _tokenizer_info(lm) -> dict[str, Any]:
     return {**info, "eot_token_id": lm.eot_token_id, "max_length": lm.max_length}
 
 
-def _save(results: dict, tracker, model: str, model_args: dict, args) -> None:
-    """Write the results as lm-eval does (a .json --output_path: exactly that file, samples inside)."""
+def _results_name(model_args: dict) -> str:
+    """The model's name in the results and lm-eval's folder layout: its absolute path (resolved by
+    ``_model_and_args``), so the folder does not depend on the directory the command runs from."""
+    return str(model_args.get("pretrained") or model_args.get("checkpoint"))
+
+
+def _unwritable(folder: Path) -> str | None:
+    """Why ``folder`` cannot be created or written into, or None: the nearest part of it that exists must be a
+    writable folder."""
+    import os
+
+    folder = folder.absolute()
+    existing = folder
+    while not (existing.exists() or existing.is_symlink()) and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a folder" if existing == folder else (
+            f"{existing} is not a folder, so {folder} cannot be created")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None
+
+
+def _check_output_path(args, model_args: dict) -> None:
+    """--output_path can take the results, checked before anything is evaluated: lm-eval only logs a failed
+    save, after the whole evaluation."""
+    if args.output_path is None:
+        return
+    from lm_eval.utils import sanitize_model_name
+
+    path = Path(args.output_path)
+    if args.output_path.endswith(".json"):
+        if path.is_dir():
+            raise ValueError(f"--output_path {args.output_path} is a folder: a path ending in .json names the "
+                             "results file; give another file name, or drop .json for lm-eval's folder layout")
+        folder = path.parent
+    else:
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"--output_path {args.output_path} is a file, not a folder: lm-eval's layout writes "
+                             "DIR/<model>/results_<time>.json; give a folder, or a path ending in .json for one "
+                             "results file")
+        folder = path / sanitize_model_name(_results_name(model_args))
+    reason = _unwritable(folder)
+    if reason is not None:
+        raise ValueError(f"--output_path {args.output_path}: the results cannot be written there ({reason}); "
+                         "give another --output_path")
+
+
+def _save(results: dict, tracker, model: str, model_args: dict, args) -> Path | None:
+    """Write the results as lm-eval does (a .json --output_path: exactly that file, samples inside); returns
+    the results file, None without --output_path. A save lm-eval could not do (it only logs it) raises
+    OutputError."""
     from lm_eval.utils import handle_non_serializable, sanitize_model_name
 
-    name = str(model_args.get("pretrained") or model_args.get("checkpoint"))
+    from trainer.errors import OutputError
+
+    name = _results_name(model_args)
     source = f"checkpoint:{model_args['checkpoint']}" if model == "trainer" else f"hf:{model_args['pretrained']}"
     results.setdefault("config", {}).update(model=model, model_args=model_args, model_source=source)
     samples = results.pop("samples", None) if (args.log_samples or args.predict_only) else None
     results.pop("samples", None)
     if args.output_path is None:
-        return
+        return None
     if args.output_path.endswith(".json"):
         out = Path(args.output_path)
-        out.parent.mkdir(parents=True, exist_ok=True)
         body = dict(results, samples=samples) if samples is not None else results
-        out.write_text(json.dumps(body, indent=2, default=handle_non_serializable, ensure_ascii=False))
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(body, indent=2, default=handle_non_serializable, ensure_ascii=False))
+        except OSError as e:
+            raise OutputError(f"the results could not be written to {out} ({e.strerror or e}); the evaluation's "
+                              "table follows") from None
         logger.info("results written to %s", out)
-        return
+        return out
     tracker.general_config_tracker.model_name = name
     tracker.general_config_tracker.model_name_sanitized = sanitize_model_name(name)
     tracker.save_results_aggregated(results=results, samples=samples)
+    out = Path(tracker.output_path) / sanitize_model_name(name) / f"results_{getattr(tracker, 'date_id', '')}.json"
+    if not out.is_file():
+        raise OutputError(f"the results could not be written under {args.output_path} (lm-eval's warning above "
+                          "says why); the evaluation's table follows")
     if samples is not None:
         for task_name in results.get("configs", {}):
             tracker.save_results_samples(task_name=task_name, samples=samples[task_name])
-    logger.info("results written under %s", Path(args.output_path) / sanitize_model_name(name))
+    logger.info("results written to %s", out)
+    return out
 
 
 def _report(results: dict, model: str, model_args: dict, args, seconds: float) -> None:
@@ -408,7 +469,7 @@ def _main(argv: list[str] | None) -> int:
     import os
 
     from trainer import logs
-    from trainer.errors import CheckpointError
+    from trainer.errors import CheckpointError, OutputError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:  # lm_eval run ... (lm-eval >= 0.4.10's subcommand form)
@@ -439,6 +500,7 @@ def _main(argv: list[str] | None) -> int:
             raise ValueError("--tasks is required (lm-eval task or group names)")
         _refuse(args)
         model, model_args = _model_and_args(args)
+        _check_output_path(args, model_args)
         _device(args)
         ngpu = _ngpu()
         if ngpu > 1 and "WORLD_SIZE" not in os.environ:
@@ -467,6 +529,11 @@ def _main(argv: list[str] | None) -> int:
         return 0
     for key, value in _tokenizer_info(lm).items():
         results.setdefault(key, value)
-    _save(results, tracker, model, model_args, args)
+    try:
+        _save(results, tracker, model, model_args, args)
+    except OutputError as e:  # after a save lm-eval only logged: the table is still worth printing
+        print(f"trainer eval: {e}", file=sys.stderr)
+        _report(results, model, model_args, args, time.perf_counter() - t0)
+        return e.exit_code
     _report(results, model, model_args, args, time.perf_counter() - t0)
     return 0

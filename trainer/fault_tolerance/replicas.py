@@ -296,6 +296,22 @@ def outer_optimizers(fragments: list, cfg: FaultTolerance) -> list[torch.optim.S
                             momentum=cfg.outer_momentum, nesterov=cfg.outer_momentum > 0) for f in fragments]
 
 
+def diloco_line(cfg: FaultTolerance, outer: list[torch.optim.SGD]) -> str:
+    """What a DiLoCo run logs once at start: its fragments (one outer optimizer each), how often they
+    synchronise, and the outer optimizer's settings as built (the default overshoots on short runs:
+    docs/multinode.md)."""
+    group = outer[0].param_groups[0]
+    lr, momentum = group["lr"], group["momentum"]
+    if (lr, momentum) == (FaultTolerance.outer_lr, FaultTolerance.outer_momentum):
+        origin = ("the default, torchtitan's and the DiLoCo paper's, tuned for hundreds of steps per "
+                  "synchronisation; for short runs see docs/multinode.md (fault_tolerance.outer_lr, outer_momentum)")
+    else:
+        origin = "fault_tolerance.outer_lr, outer_momentum"
+    return (f"fault tolerance: DiLoCo, {len(outer)} fragment(s), one synchronised every "
+            f"{cfg.sync_steps // len(outer)} step(s); outer optimizer SGD lr {lr:g}, momentum {momentum:g}"
+            f"{', Nesterov' if group['nesterov'] else ''} ({origin})")
+
+
 def build_semi_sync(method: str, cfg: FaultTolerance, manager, model, optimizer, device: torch.device):
     """torchft's LocalSGD (parameters averaged every sync_steps steps) or DiLoCo (an outer SGD on the averaged
     pseudo-gradients of each fragment; by default Nesterov, lr 0.7 and momentum 0.9, as in the DiLoCo paper)."""
@@ -305,6 +321,7 @@ def build_semi_sync(method: str, cfg: FaultTolerance, manager, model, optimizer,
         return local_sgd.LocalSGD(manager=manager, model=model, optimizer=optimizer, sync_every=cfg.sync_steps)
     fragments = model_fragments(model, cfg)
     outer = outer_optimizers(fragments, cfg)
+    logger.info(diloco_line(cfg, outer))
     return local_sgd.DiLoCo(manager=manager, model_fragments=fragments, inner_optimizer=optimizer,
                             outer_optimizer=outer, sync_every=cfg.sync_steps, pin_memory=device.type == "cuda",
                             should_quantize=cfg.should_quantize, fragment_sync_delay=cfg.fragment_sync_delay,
