@@ -147,7 +147,7 @@ def test_load_step_and_exclude(base, tmp_path, mp):
     assert "trying the previous one" not in log
 
 
-def test_keep_latest_k_and_model_only_export(tmp_path, mp):
+def test_keep_latest_k_and_model_only_export(tmp_path, mp, capsys):
     dump = tmp_path / "run"
     rc, log = train(dump, "--training.steps", "5", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "2",
                     "--checkpoint.export_dtype", "bfloat16", monkeypatch=mp)
@@ -166,6 +166,13 @@ def test_keep_latest_k_and_model_only_export(tmp_path, mp):
     # Running the finished command again: nothing to train.
     rc, log = train(dump, "--training.steps", "6", "--checkpoint.interval", "1", monkeypatch=mp)
     assert rc == 0 and "nothing to train" in log, log
+    # A step that is not there is named with those that are, each once (step-6 and final-step-6: one step).
+    rc, log = train(dump, "--training.steps", "6", "--checkpoint.load_step", "3", monkeypatch=mp)
+    assert rc == 3 and "no complete checkpoint step-3" in log and "complete ones: 5, 6\n" in log, log
+    from torchtitan_ext.hf import main as export_main
+
+    assert export_main(["--checkpoint", str(dump), "--step", "3", "--output", str(tmp_path / "hf")]) == 2
+    assert capsys.readouterr().err.strip().endswith("no step-3 in " + str(dump / "checkpoint") + "; available: 5, 6")
 
 
 def test_seed_checkpoint_and_initial_load(base, tmp_path, mp):
