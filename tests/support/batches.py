@@ -169,7 +169,8 @@ class Batches:
             time.sleep(0.1)
         out = json.loads(result.read_text())
         text = log.read_text(errors="replace") if log.exists() else ""
-        assert out["rc"] == s.rc, f"run {name!r} failed ({out['rc']}, expected {s.rc}):\n{out.get('error', '')}\n{text[-6000:]}"
+        assert out["rc"] == s.rc, (f"run {name!r} ended with {out['rc']}, expected {s.rc}:\n{out.get('error', '')}\n"
+                                   f"{text[-6000:]}")
         return Run(name, self.dump(s), log, out["rc"])
 
     def close(self, wait: float = 0) -> None:

@@ -117,10 +117,10 @@ class BackgroundSave:
 
     ``staging`` completes when the state is copied (the live tensors may change from then on), ``upload``
     with the write's result or exception (the commit included, on rank 0). ``failed``: whether this rank
-    knows that the save failed (its copy, or its write); ``done``: whether its thread is over. ``blocking_s``: how long the
-    save call kept training waiting, known once the call returns (:meth:`call_returned`); rank 0's thread
-    waits for it before writing the commit marker, which records it. ``done_s``: seconds from the call to
-    the end of the write, measured on the save's thread."""
+    knows that the save failed (its copy, or its write); ``done``: whether its thread is over.
+    ``blocking_s``: how long the save call kept training waiting, known once the call returns
+    (:meth:`call_returned`); rank 0's thread waits for it before writing the commit marker, which records
+    it. ``done_s``: seconds from the call to the end of the write, measured on the save's thread."""
 
     target: SaveTarget
     writer: Any  # the storage writer: its checksums are gathered after the write

@@ -425,7 +425,8 @@ class Saver:
             logger.error(
                 "checkpoint step-%d %s%s: %s. Failed saves: %d in this run, %d in a row (checkpoint.max_failed_saves"
                 "=%d). Latest complete checkpoint: %s", step, "refused" if refused else "FAILED", note,
-                " | ".join(causes), self.failures, self.consecutive_failures, self.cfg.max_failed_saves, latest[-1] if latest else "none")
+                " | ".join(causes), self.failures, self.consecutive_failures, self.cfg.max_failed_saves,
+                latest[-1] if latest else "none")
         if self.consecutive_failures >= self.cfg.max_failed_saves:
             raise CheckpointError(
                 f"stopping after {self.consecutive_failures} failed checkpoint save(s) in a row "
