@@ -116,6 +116,7 @@ def test_failed_background_save_on_one_rank(batches):
     goes on, by checkpoint.max_failed_saves) in one line, and a resume loads the previous checkpoint."""
     run = batches.get(ASYNC_FAIL)
     log = run.log
+    assert "pinned memory needs CUDA; the staging buffers are ordinary CPU memory on this machine, still reused" in log
     when = {}  # "step N" / "failed N" -> seconds of the day its line was logged
     for line in log.splitlines():
         m = _LINE.match(line)
