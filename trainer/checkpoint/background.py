@@ -172,7 +172,7 @@ class BackgroundSave:
         try:
             staged, copy_error = staging.stage(state), None
             self.copy_s = time.perf_counter() - t0
-        except BaseException as e:  # reported through both futures (the upload's is the one counted)
+        except BaseException as e:  # in the staging future here; in the upload's on every rank, by the write
             staged, copy_error = None, e
         del state
         if copy_error is None:
