@@ -11,6 +11,7 @@ import pytest
 
 from tests.support.batches import spec
 from tests.support.checkpoints import CKPT, COMMON, STEPS, STRAIGHT, assert_same, batch
+from tests.support.launch import read_metrics
 from trainer.checkpoint.layout import scan_folder
 
 SYNC = ["--checkpoint.last_save_model_only", "false"]
@@ -88,7 +89,62 @@ def test_reshard(batches):
         assert_same(straight, got, range(11, STEPS + 1), rel=1e-5)
     fsdp2 = runs["fsdp2"].log
     assert "checkpoint step-15 FAILED" in fsdp2 and "injected write failure" in fsdp2
-    # The failed background save of step 15 is agreed at the next save step, 20 (the last), after step 20's
-    # record was logged: the run's summary counts it.
+    # The failed background save of step 15 is agreed at a step boundary soon after (the run goes on:
+    # max_failed_saves 2): the run's summary and the last step's record count it.
     assert json.loads((runs["fsdp2"].dump / "summary.json").read_text())["checkpoint_failures"] == 1
+    assert runs["fsdp2"].records()[STEPS]["checkpoint_failures"] == 1
     assert "step-10 loaded" in runs["hsdp"].log
+
+
+# Background saves failing on rank 1 only (copies into reused buffers): the copy of step 4 (the run goes on:
+# max_failed_saves 2), then the write of step 6 (the second failure in a row: the run stops); then the same
+# command resumes. A rank that waited for another would wait checkpoint.timeout_seconds (60 s).
+FAILING = [*batch(2), "--checkpoint.interval", "2", "--checkpoint.async_mode", "async_with_pinned_mem"]
+ASYNC_FAIL = spec("ckpt_async_fail", 2, *COMMON, *CKPT, *FAILING, "--checkpoint.drill_fail_copy_steps", "4",
+                  "--checkpoint.drill_fail_save_steps", "6", "--checkpoint.max_failed_saves", "2",
+                  "--checkpoint.timeout_seconds", "60", "--training.steps", "10", rc=3)
+ASYNC_FAIL_RESUMED = spec("ckpt_async_fail_resumed", 2, *COMMON, *CKPT, *FAILING, "--training.steps", "3",
+                          after=(ASYNC_FAIL,), dump=f"{{root}}/{ASYNC_FAIL}")
+_LINE = re.compile(r"^\d{4}-\d\d-\d\d (\d\d):(\d\d):(\d\d) .*?(step +(\d+) +loss|checkpoint step-(\d+) FAILED)")
+
+
+@pytest.mark.slow
+@pytest.mark.runs(ASYNC_FAIL, ASYNC_FAIL_RESUMED)
+def test_failed_background_save_on_one_rank(batches):
+    """Every rank learns of a background save that failed on rank 1 at the step boundary after the
+    failure, as of a failed synchronous save: none waits for the checkpoint's timeout, the run stops (or
+    goes on, by checkpoint.max_failed_saves) in one line, and a resume loads the previous checkpoint."""
+    run = batches.get(ASYNC_FAIL)
+    log = run.log
+    assert "pinned memory needs CUDA; the staging buffers are ordinary CPU memory on this machine, still reused" in log
+    when = {}  # "step N" / "failed N" -> seconds of the day its line was logged
+    for line in log.splitlines():
+        m = _LINE.match(line)
+        if m:
+            h, mi, sec, _, step, failed = m.groups()
+            when[f"step {step}" if step else f"failed {failed}"] = int(h) * 3600 + int(mi) * 60 + int(sec)
+    # The copy failed on rank 1 before its step 5 could change the weights: agreed after step 5 (counted
+    # from step 6's record on), within seconds of it, and the run went on.
+    assert re.search(r"checkpoint step-4 FAILED \(in the background: it ended during step [45], agreed by every rank "
+                     r"after step 5\): rank 1: OSError: fault drill: injected copy failure", log), log[-4000:]
+    assert 0 <= (when["failed 4"] - when["step 5"]) % 86400 < 30, when
+    records = {r["step"]: r for r in read_metrics(run.dump)}
+    assert records[5]["checkpoint_failures"] == 0 and records[6]["checkpoint_failures"] == 1
+    # The write failed on rank 1: agreed at the boundary of the step it ended in or the next, where both
+    # ranks stopped with the same one line, the checkpoint of step 2 untouched and nothing half-written.
+    m = re.search(r"checkpoint step-6 FAILED \(in the background: it ended during step (\d+), agreed by every rank "
+                  r"after step (\d+)\): rank 1: OSError: fault drill: injected write failure", log)
+    assert m, log[-4000:]
+    ended, agreed = map(int, m.groups())
+    assert 6 <= ended <= agreed <= ended + 1
+    assert max(records) == agreed and 0 <= (when["failed 6"] - when[f"step {agreed}"]) % 86400 < 30
+    stop = "stopping after 2 failed checkpoint save(s) in a row (checkpoint.max_failed_saves=2); last: step-6"
+    assert stop in log and stop in (run.log_path.parent / f"{run.log_path.name}.rank1").read_text()
+    # The same command resumes from step 2, exactly (step 3 trains again as it did the first time).
+    resumed = batches.get(ASYNC_FAIL_RESUMED)
+    left = sorted(p.name for p in (run.dump / "checkpoint").iterdir())
+    assert left == ["final-step-3", "step-2", "step-3"], left
+    assert "checkpoint/step-2 loaded" in resumed.log
+    again = [r for r in read_metrics(run.dump) if r["step"] == 3]
+    assert len(again) == 2 and again[0]["loss"] == again[1]["loss"]
+    assert again[0]["data_fingerprint"] == again[1]["data_fingerprint"]

@@ -3,7 +3,7 @@ real ``trainer.train.main``, in one process group.
 
 ``python -m torch.distributed.run --standalone --nproc_per_node N tests/distributed/worker.py SPECS.json``:
 SPECS is a JSON list of runs, each ``{"name", "argv": [--section.key value ...], "log": PATH,
-"result": PATH, "after": [RESULT PATH, ...], "copy": [[SRC, DST], ...], "remove": [PATH, ...],
+"result": PATH, "after": [[RESULT PATH, EXIT CODE], ...], "copy": [[SRC, DST], ...], "remove": [PATH, ...],
 "save_batch": PATH or null}``. For each: wait until the runs it continues from (``after``, maybe in another
 torchrun start) have written their results; local rank 0 copies the checkpoint folders it starts from
 (``copy``) and deletes the folders it must not find (``remove``); every rank calls
@@ -41,15 +41,18 @@ from tests.support import isolation
 WAIT_S = 1800
 
 
-def _wait_for(paths: list[str]) -> None:
+def _wait_for(after: list[list]) -> None:
+    """Until each run this one continues from has written its result, with the exit code expected of it."""
     deadline = time.monotonic() + WAIT_S
-    for path in map(Path, paths):
+    for path, rc in after:
+        path = Path(path)
         while not path.exists():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{path} did not appear within {WAIT_S} s")
             time.sleep(0.1)
-        if json.loads(path.read_text()).get("rc") != 0:
-            raise RuntimeError(f"the run this one continues from failed: {path.read_text()[-2000:]}")
+        if json.loads(path.read_text()).get("rc") != rc:
+            raise RuntimeError(f"the run this one continues from did not end with exit code {rc}: "
+                               f"{path.read_text()[-2000:]}")
 
 
 def _copy(pairs: list[list[str]], local_rank: int) -> None:

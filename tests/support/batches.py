@@ -32,6 +32,7 @@ class Spec:
     lane: str = ""
     dump: str = ""
     remove: tuple[str, ...] = ()
+    rc: int = 0
 
 
 SPECS: dict[str, Spec] = {}
@@ -39,15 +40,16 @@ SPECS: dict[str, Spec] = {}
 
 def spec(name: str, nproc: int, *args: str, after: tuple[str, ...] = (), copy: tuple[tuple[str, str], ...] = (),
          fast: bool = True, save_batch: bool = False, lane: str = "", dump: str = "",
-         remove: tuple[str, ...] = ()) -> str:
+         remove: tuple[str, ...] = (), rc: int = 0) -> str:
     """Declare a run: ``--job.config_file`` the debug model, ``--job.dump_folder {root}/<name>``, the fast
     settings of tests/support/launch.py (unless ``fast`` is false), then ``args``. ``after``: runs that must
     end first; ``copy``: (source, destination) folders copied before it starts; ``lane``: a name for a
     torchrun start of its own (beside the one of its world size), for a long run that should not hold up the
     others; ``dump``: another dump folder (e.g. the folder of the run it continues); ``remove``: folders
-    deleted before it starts. Returns the name."""
+    deleted before it starts; ``rc``: the exit code the run must end with (a run that stops on purpose).
+    Returns the name."""
     new = Spec(name, nproc, tuple(args), tuple(after), tuple(tuple(c) for c in copy), fast, save_batch, lane, dump,
-               tuple(remove))
+               tuple(remove), rc)
     if SPECS.setdefault(name, new) != new:
         raise ValueError(f"run {name!r} declared twice, differently")
     return name
@@ -143,13 +145,14 @@ class Batches:
             Path(self._path(dst)).parent.mkdir(parents=True, exist_ok=True)
         return {"name": s.name, "argv": argv, "log": str(self.root / f"{s.name}.log"),
                 "result": str(self.root / f"{s.name}.result.json"),
-                "after": [str(self.root / f"{a}.result.json") for a in s.after],
+                "after": [[str(self.root / f"{a}.result.json"), SPECS[a].rc] for a in s.after],
                 "copy": [[self._path(a), self._path(b)] for a, b in s.copy],
                 "remove": [self._path(r) for r in s.remove],
                 "save_batch": str(self.root / f"{s.name}.batch0.pt") if s.save_batch else None}
 
     def get(self, name: str, timeout: float = 1200) -> Run:
-        """The run, once it has ended with exit code 0 (else the test fails with its log)."""
+        """The run, once it has ended with its expected exit code (``spec(rc=...)``, 0 unless given; else the
+        test fails with its log)."""
         s = SPECS.get(name)
         if s is None or (s.nproc, s.lane) not in self._keys or name not in self._wanted:
             raise KeyError(f"run {name!r} was not started: mark the test with @pytest.mark.runs({name!r})")
@@ -166,7 +169,8 @@ class Batches:
             time.sleep(0.1)
         out = json.loads(result.read_text())
         text = log.read_text(errors="replace") if log.exists() else ""
-        assert out["rc"] == 0, f"run {name!r} failed ({out['rc']}):\n{out.get('error', '')}\n{text[-6000:]}"
+        assert out["rc"] == s.rc, (f"run {name!r} ended with {out['rc']}, expected {s.rc}:\n{out.get('error', '')}\n"
+                                   f"{text[-6000:]}")
         return Run(name, self.dump(s), log, out["rc"])
 
     def close(self, wait: float = 0) -> None:

@@ -330,18 +330,52 @@ def test_space_check_scans_the_folder_only_when_a_save_may_not_fit(tmp_path, mon
     assert "not enough disk space" in space.check(3, 120 * mib, warn=True)
 
 
-@pytest.mark.gpu
-def test_pinned_memory_async_saves_commit_the_state_of_their_step(tmp_path):
-    """async_with_pinned_mem on CUDA: the same background path, staged by DCP's stager into pinned buffers
-    reused from save to save; each committed checkpoint is the state of its step, bitwise, though the
-    weights changed while it was written."""
+def _tensors(obj) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for k in sorted(obj, key=str) for t in _tensors(obj[k])]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_reused_staging_async_saves_commit_the_state_of_their_step(tmp_path, monkeypatch, caplog, device):
+    """async_with_pinned_mem: the same background path, staged by DCP's stager into buffers allocated at
+    the first save and reused by the next (pinned on CUDA; ordinary memory on a CPU-only machine, which the
+    run says at start); each committed checkpoint is the state of its step, bitwise, though the weights
+    changed while it was written."""
+    import logging
+
+    from trainer.checkpoint.background import ReusedStaging
+
     config = load_config(["--job.dump_folder", str(tmp_path), "--checkpoint.enable", "--training.steps", "10",
                           "--checkpoint.interval", "5", "--checkpoint.async_mode", "async_with_pinned_mem"], env={})
     parts = _components(0)
-    model = parts["model_parts"][0].cuda()
+    model = parts["model_parts"][0].to(device)
     parts["optimizer"] = optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    parts["device"] = torch.device("cuda")
-    manager = CheckpointManager(config, **parts)
+    parts["device"] = torch.device(device)
+    buffers, stage = [], ReusedStaging.stage
+
+    def recorded(self, state):  # the real copy; what it returns is recorded
+        staged = stage(self, state)
+        buffers.append((self.pinned, [(t.data_ptr(), t.is_pinned()) for t in _tensors(
+            {k: staged[k] for k in ("model", "optimizer")}) if t.numel() > 1]))  # not the step counters
+        return staged
+
+    monkeypatch.setattr(ReusedStaging, "stage", recorded)
+    logger = logging.getLogger("trainer")  # the run's logger may not propagate to caplog's root handler
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="trainer"):
+            manager = CheckpointManager(config, **parts)
+    finally:
+        logger.removeHandler(caplog.handler)
+    said = {r.getMessage() for r in caplog.records if "async_with_pinned_mem" in r.getMessage()}
+    assert said == (set() if device == "cuda" else {
+        "checkpoint.async_mode async_with_pinned_mem: pinned memory needs CUDA; the staging buffers are ordinary "
+        "CPU memory on this machine, still reused from save to save"})
     saved = {}
     for step in (5, 10):
         _train_step(model, optimizer)
@@ -351,14 +385,21 @@ def test_pinned_memory_async_saves_commit_the_state_of_their_step(tmp_path):
         _train_step(model, optimizer)  # its pre-step hook waits for the copy
         with torch.no_grad():
             model.weight.add_(1.0)  # during the background write
+        manager.maybe_save(step + 1)  # a step boundary: the save, ended, is agreed here
+        assert manager.pending is None or not manager.pending.done
     manager.finish()
     assert manager.saves == 2 and manager.failures == 0
+    # The second save copied into the first one's buffers (pinned on CUDA), none of them the live tensors.
+    (pinned, first), (_, second) = buffers
+    live = {t.data_ptr() for t in _tensors({"m": model.state_dict(), "o": optimizer.state_dict()})}
+    assert pinned == (device == "cuda") and first == second and len(first) >= 4
+    assert all(is_pinned == pinned for _, is_pinned in first) and not live & {ptr for ptr, _ in first}
     for step in (5, 10):
         config.checkpoint.load_step = step
         fresh = _components(1)
-        fresh["model_parts"][0].cuda()
+        fresh["model_parts"][0].to(device)
         fresh["optimizer"] = torch.optim.AdamW(fresh["model_parts"][0].parameters(), lr=1e-3)
-        fresh["device"] = torch.device("cuda")
+        fresh["device"] = torch.device(device)
         resumed = CheckpointManager(config, **fresh)
         resumed.load()
         assert resumed.loaded_step == step

@@ -177,6 +177,27 @@ def test_bench_checkpoint_table_has_every_row(tmp_path):
     assert not list(Path(tmp_path).glob("checkpoint_disk/*"))  # cleaned up
 
 
+def test_bench_staging_times_fresh_and_reused_copies_in_one_run():
+    """``trainer bench checkpoint``'s staging part (alone: ``trainer bench staging``): a background save's copy
+    with a fresh copy per save and with buffers reused from save to save (pinned on CUDA), each timed in the
+    same run, alternately, and their ratio in the table (the numbers are not checked: a benchmark)."""
+    import torch
+
+    from trainer.tools.bench.report import format_table
+    from trainer.tools.bench.staging import bench_staging
+
+    s = bench_staging(argparse.Namespace(steps="small", checkpoint_repeats=1), [], "")
+    assert s["pinned"] == torch.cuda.is_available() and abs(s["bytes"] - 2e7) < 1e5
+    assert len(s["samples"]["fresh"]) == len(s["samples"]["reused"]) == 2
+    assert s["reused_vs_fresh"] == s["reused_copy_s"] / s["fresh_copy_s"] and s["reused_first_copy_s"] > 0
+    table = format_table({"staging": s})
+    tag = f"staging 0.02 GB on {s['device']}"
+    for row in ("fresh copy per save (s) [async]", "reused buffers (s) [async_with_pinned_mem",
+                "reused / fresh copy time", "reused buffers, first copy (allocates)"):
+        assert f"{tag}: {row}" in table, table
+    assert ("not pinned: no CUDA" in table) != s["pinned"]
+
+
 def test_save_threads_write_a_file_each_and_load(tmp_path):
     """checkpoint.save_threads = 2: two data files for the rank, both checksummed, loaded and verified."""
     model, optimizer = _trained_like()

@@ -13,7 +13,8 @@ from trainer.models.llama.args import LlamaModelArgs
 from trainer.models.llama.flops import count_params, flops_per_token, model_num_params
 from trainer.models.llama.model import Transformer
 from trainer.tools.plan.cli import main, model_args_for_plan, plan
-from trainer.tools.plan.memory import Layout, Precision, Shape, layer_bytes, memory_estimate, search_layouts
+from trainer.tools.plan.memory import (Layout, Precision, Shape, checkpoint_staging_bytes, layer_bytes, memory_estimate,
+                                       search_layouts)
 from trainer.models.config import resolve_model_args
 from trainer.data.tokenizer import load_tokenizer
 
@@ -224,3 +225,20 @@ def test_plan_8b_on_one_gpu_does_not_fit(capsys):
                  "--parallelism.data_parallel_shard_degree", "1"]) == 0
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "no layout of 1 GPU(s) fits H100" in out
+
+
+def test_checkpoint_staging_host_memory(capsys):
+    """A background save's staging copy: the rank's fp32 weights and two moments, 12 bytes per parameter it
+    holds (by hand on the tiny model), and the line `trainer plan` prints for the configured mode."""
+    s = Shape.from_args(TINY)
+    assert checkpoint_staging_bytes(s, Layout(1, 2, 1, 1, 1, 8)) == 12 * s.total_params() / 2
+    # Pipeline stages: the larger stage's share (the tied or untied output layer on the last stage).
+    stage_params = max(memory_estimate(s, Layout(1, 1, 1, 2, 2, 8), stage=st)["params"] for st in ("first", "last"))
+    assert checkpoint_staging_bytes(s, Layout(1, 1, 1, 2, 2, 8)) == 3 * stage_params
+    assert main(["--config", str(CONFIGS["debug_gqa"]), "--ngpu", "2", "--checkpoint.async_mode",
+                 "async_with_pinned_mem"]) == 0
+    out = capsys.readouterr().out
+    config = load_config(["--job.config_file", str(CONFIGS["debug_gqa"])], env={})
+    gib = 12 * count_params(model_args_for_plan(config)[0]) / 2 / 2**30
+    assert (f"host memory per rank: checkpoint staging {gib:.3f} GiB (checkpoint.async_mode async_with_pinned_mem: "
+            "kept for the whole run, pinned on CUDA)") in out, out

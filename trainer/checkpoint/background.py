@@ -5,8 +5,8 @@ The call that starts a :class:`BackgroundSave` returns before anything is copied
 GIL only between tensor copies (each ``Tensor.copy_`` releases it), so the training loop's Python runs
 beside it, and the optimizer step waits for :attr:`BackgroundSave.staging` (a pre-step hook) before it
 changes the weights and moments being copied. Where the copy goes is the :class:`Staging` given:
-fresh CPU memory (:func:`stage_copy`), or on CUDA with ``async_with_pinned_mem`` pinned buffers reused
-from save to save (:class:`PinnedStaging`, DCP's own stager).
+fresh CPU memory at every save (:class:`FreshStaging`), or with ``async_with_pinned_mem`` buffers reused
+from save to save (:class:`ReusedStaging`, DCP's own stager; pinned on CUDA).
 """
 
 from __future__ import annotations
@@ -75,20 +75,25 @@ class FreshStaging:
         pass
 
 
-class PinnedStaging:
-    """CUDA with ``async_with_pinned_mem``: DCP's stager (the public ``torch.distributed.checkpoint.staging``
-    API) with pinned buffers reused from save to save, filled by non-blocking copies on a side stream.
-    Created on the training thread (DCP creates its side stream there, apart from the compute stream);
-    its ``stage`` runs on one save's thread at a time (saves never overlap), as the stager requires."""
+class ReusedStaging:
+    """``async_with_pinned_mem``: DCP's stager (the public ``torch.distributed.checkpoint.staging`` API) keeps
+    one CPU buffer per tensor of the state and copies into it again at every save: memory the size of this
+    rank's state (weights and optimizer moments) held for the whole run, no allocation per save. ``pinned``
+    (CUDA): the buffers are page-locked and filled by non-blocking copies on a side stream; elsewhere they
+    are ordinary memory filled by plain copies. Created on the training thread (DCP creates its side
+    stream there, apart from the compute stream); its ``stage`` runs on one save's thread at a time (saves
+    never overlap, so no save's buffers are overwritten while it writes them), as the stager requires."""
 
-    def __init__(self):
+    def __init__(self, pinned: bool):
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        self._stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
-                                                    use_async_staging=True, use_non_blocking_copy=True))
+        self.pinned = pinned
+        self._stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
+                                                    use_async_staging=pinned, use_non_blocking_copy=pinned))
 
     def stage(self, state: dict) -> dict:
-        return self._stager.stage(state).result()
+        staged = self._stager.stage(state)
+        return staged.result() if isinstance(staged, Future) else staged
 
     def close(self) -> None:
         self._stager.close()
@@ -111,22 +116,28 @@ class BackgroundSave:
     point (:meth:`trainer.checkpoint.saving.Saver.join`).
 
     ``staging`` completes when the state is copied (the live tensors may change from then on), ``upload``
-    with the write's result or exception (the commit included, on rank 0). ``blocking_s``: how long the
-    save call kept training waiting, known once the call returns (:meth:`call_returned`); rank 0's thread
-    waits for it before writing the commit marker, which records it. ``done_s``: seconds from the call to
-    the end of the write, measured on the save's thread."""
+    with the write's result or exception (the commit included, on rank 0). ``failed``: whether this rank
+    knows that the save failed (its copy, or its write); ``done``: whether its thread is over.
+    ``blocking_s``: how long the save call kept training waiting, known once the call returns
+    (:meth:`call_returned`); rank 0's thread waits for it before writing the commit marker, which records
+    it. ``done_s``: seconds from the call to the end of the write, measured on the save's thread."""
 
     target: SaveTarget
     writer: Any  # the storage writer: its checksums are gathered after the write
+    step_now: Callable[[], int] | None = None  # the training step running now (read when the save ends)
     staging: Future = field(init=False, default_factory=Future)
     upload: Future = field(init=False, default_factory=Future)
     blocking_s: float = field(init=False, default=0.0)
     done_s: float | None = field(init=False, default=None)
+    copy_s: float | None = field(init=False, default=None)  # the copy alone, on the save's thread
+    ended_in_step: int | None = field(init=False, default=None)  # step_now() when the write ended
     _call_over: threading.Event = field(init=False, repr=False, default_factory=threading.Event)
     _thread: threading.Thread | None = field(init=False, repr=False, default=None)
 
-    def start(self, state: dict, staging: Staging, write: Callable[[dict], Any]) -> None:
-        """Run ``write(staging.stage(state))`` on a thread of its own; returns at once."""
+    def start(self, state: dict, staging: Staging,
+              write: Callable[[dict | None, BaseException | None], Any]) -> None:
+        """Run ``write(staging.stage(state), None)`` on a thread of its own; returns at once. When the copy
+        raises, ``write(None, error)`` still runs: it must fail the save on every rank."""
         self._thread = threading.Thread(target=self._run, args=(state, staging, write), name="checkpoint-save")
         self._thread.start()
 
@@ -140,27 +151,47 @@ class BackgroundSave:
         self._call_over.wait()
         return self.blocking_s
 
+    @property
+    def failed(self) -> bool:
+        for f in (self.staging, self.upload):
+            if f.done() and f.exception() is not None:
+                return True
+        return False
+
+    @property
+    def done(self) -> bool:
+        return self.upload.done()
+
     def wait(self) -> None:
         """Until the write has finished, successfully or not (its outcome stays in ``upload``)."""
         if self._thread is not None:
             self._thread.join()
 
-    def _run(self, state: dict, staging: Staging, write: Callable[[dict], Any]) -> None:
+    def _run(self, state: dict, staging: Staging, write: Callable[[dict | None, BaseException | None], Any]) -> None:
+        t0 = time.perf_counter()
         try:
-            staged = staging.stage(state)
-        except BaseException as e:  # reported through both futures (the upload's is the one counted)
-            self.staging.set_exception(e)
-            self.upload.set_exception(e)
-            return
+            staged, copy_error = staging.stage(state), None
+            self.copy_s = time.perf_counter() - t0
+        except BaseException as e:  # in the staging future here; in the upload's on every rank, by the write
+            staged, copy_error = None, e
         del state
-        self.staging.set_result(None)
+        if copy_error is None:
+            self.staging.set_result(None)
+        else:
+            self.staging.set_exception(copy_error)
         try:
-            result = write(staged)
+            # Even without a copy this rank takes part in the write's collectives (``write`` makes them fail
+            # on every rank): the other ranks' threads never wait for it until the checkpoint's timeout.
+            result = write(staged, copy_error)
         except BaseException as e:
             del staged
-            self.done_s = time.perf_counter() - self.target.t0
+            self._ended()
             self.upload.set_exception(e)
             return
         del staged  # the copy is freed as soon as it is written
-        self.done_s = time.perf_counter() - self.target.t0
+        self._ended()
         self.upload.set_result(result)
+
+    def _ended(self) -> None:
+        self.done_s = time.perf_counter() - self.target.t0
+        self.ended_in_step = self.step_now() if self.step_now is not None else None

@@ -31,8 +31,9 @@ class Checkpoint:
     """Keep this many newest full checkpoints of the run (over all its launches) and delete older ones; 0 keeps all."""
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
     """Save in the background: async copies the state to fresh CPU memory and then writes it, on a thread of
-    its own that the save starts (the next optimizer step waits for the copy); with pinned memory on CUDA
-    the copy uses reusable pinned buffers."""
+    its own that the save starts (the next optimizer step waits for the copy); async_with_pinned_mem copies
+    into CPU buffers kept from save to save (pinned on CUDA; this rank's weights and optimizer state in size,
+    held for the whole run). A failed background save is agreed by every rank at the next step boundary."""
     last_save_model_only: bool = True
     """The final checkpoint holds only model weights (no optimizer state)."""
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -80,6 +81,9 @@ class Checkpoint:
     meanwhile), to practise killing a run in the middle of a save."""
     drill_fail_save_steps: list[int] = field(default_factory=list)
     """Fault drill: the saves at these steps fail with an injected I/O error on the last rank."""
+    drill_fail_copy_steps: list[int] = field(default_factory=list)
+    """Fault drill: the background saves (checkpoint.async_mode) at these steps fail while copying the state,
+    on the last rank."""
     drill_disk_bytes: int = -1
     """Fault drill: pretend the checkpoint folder sits on a filesystem of this many bytes (free space is
     this minus what the folder holds); -1 measures the real filesystem."""
@@ -117,6 +121,9 @@ def check_config(config) -> None:
     unknown = [k for k in cfg.exclude_from_loading if k not in STATE_KEYS]
     if unknown:
         raise ConfigError(f"checkpoint.exclude_from_loading: unknown entries {unknown}; valid: {list(STATE_KEYS)}")
+    if cfg.drill_fail_copy_steps and cfg.async_mode == "disabled":
+        raise ConfigError("checkpoint.drill_fail_copy_steps fails the copy of background saves: set "
+                          "checkpoint.async_mode async (or async_with_pinned_mem)")
     if cfg.initial_load_in_hf and not cfg.initial_load_path:
         raise ConfigError("checkpoint.initial_load_in_hf needs checkpoint.initial_load_path (the Hugging Face folder)")
 

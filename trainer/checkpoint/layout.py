@@ -73,6 +73,12 @@ def is_final(name: str) -> bool:
     return name.startswith(FINAL_PREFIX) and parse_dirname(name) is not None
 
 
+def step_list(infos) -> str:
+    """The steps of ``infos`` for a message, each once, in order ("5, 10"): a step-N and its final-step-N
+    are one step."""
+    return ", ".join(str(step) for step in sorted({c.step for c in infos}))
+
+
 def parse_dirname(name: str) -> tuple[int, str] | None:
     """(step, suffix) of a checkpoint folder name (suffix "" for a committed name), None for other names."""
     m = _NAME_RE.match(name)

@@ -28,6 +28,7 @@ from trainer.checkpoint.layout import (
     CheckpointInfo,
     inspect_checkpoint,
     scan_folder,
+    step_list,
 )
 from trainer.checkpoint.config import STATE_KEYS
 from trainer.checkpoint.replicas import ReplicaGroup
@@ -106,7 +107,7 @@ class Loader:
             chosen = [c for c in complete if c.step == self.cfg.load_step and not c.final]
             if not chosen:
                 return (f"checkpoint.load_step={self.cfg.load_step}: no complete checkpoint step-{self.cfg.load_step} "
-                        f"in {self.folder}; complete ones: {[c.step for c in complete] or 'none'}")
+                        f"in {self.folder}; complete ones: {step_list(c for c in complete if not c.final) or 'none'}")
             return chosen
         if not complete:
             unusable = [c for c in infos if not c.leftover]

@@ -56,8 +56,8 @@ class CheckpointManager:
             callbacks=callbacks, device=device, lr_schedule=lr_schedule, dp_rank=dp_rank, pp_degree=pp_degree,
             layout=layout, num_params=num_params)
         if cfg.async_mode == "async_with_pinned_mem" and not self.components.use_cuda:
-            logger.info("checkpoint.async_mode async_with_pinned_mem: pinned memory needs CUDA; staging to "
-                        "ordinary CPU memory on this machine")
+            logger.info("checkpoint.async_mode async_with_pinned_mem: pinned memory needs CUDA; the staging buffers "
+                        "are ordinary CPU memory on this machine, still reused from save to save")
         pg, async_pg = self._new_groups()
         self.comm = Collectives(pg)
         self.saver = Saver(cfg, self.folder, self.components, self.comm, async_pg,
@@ -67,8 +67,8 @@ class CheckpointManager:
         self.loader = Loader(cfg, self.folder, self.components, self.comm, config.training.steps,
                              config.model.name, replica=replica)
         if self.enabled and cfg.async_mode != "disabled":
-            # Background saves copy the state in the background (into reused pinned buffers, or a fresh CPU
-            # copy): wait for the copy before the optimizer changes the weights and moments it reads.
+            # Background saves copy the state in the background (into reused buffers, or a fresh CPU copy):
+            # wait for the copy before the optimizer changes the weights and moments it reads.
             optimizer.register_step_pre_hook(lambda *_: self.saver.wait_staging())
 
     def _new_groups(self) -> tuple[Any, Any]:

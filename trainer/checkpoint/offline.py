@@ -28,6 +28,7 @@ from trainer.checkpoint.layout import (
     checkpoint_folders,
     inspect_checkpoint,
     scan_folder,
+    step_list,
 )
 from trainer.errors import CheckpointError
 from trainer.parallel import clean_fqn
@@ -94,7 +95,7 @@ def find_checkpoint(path: str | Path, step: int | None = None) -> Path:
             match = [c for c in steps if c.step == step]
             if not match:
                 raise CheckpointNotFound(
-                    f"no step-{step} in {folder}; available: {', '.join(str(c.step) for c in steps)}")
+                    f"no step-{step} in {folder}; available: {step_list(steps)}")
             if not _readable(match[0]):
                 raise CheckpointNotFound(f"{match[0].path} is {match[0].status}: {match[0].reason}")
             return _verified(match[0])

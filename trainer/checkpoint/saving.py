@@ -7,10 +7,13 @@ cleaned up and counted; the run stops after ``checkpoint.max_failed_saves`` in a
 
 A background save (``checkpoint.async_mode``) runs on a thread of its own
 (:mod:`trainer.checkpoint.background`), which also commits it; its outcome (saved, or failed and
-counted) is agreed by the ranks at a defined point, never depending on how fast the thread runs: the next
-save step (before that step's save starts, whether it is due by ``checkpoint.interval`` or the last
-step), the end of training, or a stop on a signal. A failure of the background write of step N thus
-stops the run (at ``max_failed_saves``) after step N + ``interval`` has been trained and logged.
+counted) is agreed by the ranks at a step boundary, as a synchronous save's is: at every step boundary
+while it runs the ranks share (one small all-reduce) whether it failed on any of them or has ended on
+all, and agree on its outcome at the first boundary where either holds; at the latest at the next save
+step (before that step's save starts), the end of training, or a stop on a signal. A failure on one rank
+thus stops the run (at ``max_failed_saves``) at the step boundary after the failure, on every rank: a
+failed write fails DCP's save on every rank, and a rank whose copy failed still takes part in DCP's
+collectives (failing them while planning), so no rank waits for another until ``timeout_seconds``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 import torch
 
 from trainer.checkpoint.agree import ERRORS, Collectives, attempt, format_exception
-from trainer.checkpoint.background import BackgroundSave, FreshStaging, PinnedStaging, SaveTarget, Staging
+from trainer.checkpoint.background import BackgroundSave, FreshStaging, ReusedStaging, SaveTarget, Staging
 from trainer.checkpoint.layout import (
     DATA_ONLY,
     DATALOADER_JSON,
@@ -82,11 +85,7 @@ class Saver:
         self._committed_steps: set[int] = set()  # full checkpoints committed (or verified on load) by this run
         self._resumed_steps: set[int] = set()  # the checkpoint this launch resumed from (verified on load)
         self._damaged_steps: set[int] = set()  # checkpoints the loader could not load: never deleted
-        self._staging: Staging | None = None  # kept from save to save (reused pinned buffers)
-
-    @property
-    def pinned(self) -> bool:
-        return self.cfg.async_mode == "async_with_pinned_mem" and self.components.use_cuda
+        self._staging: Staging | None = None  # kept from save to save (async_with_pinned_mem: reused buffers)
 
     def due(self, step: int, last: bool = False) -> bool:
         """Whether ``step`` is a save step: every ``checkpoint.interval`` steps and the last step."""
@@ -110,9 +109,11 @@ class Saver:
         step): agree on the outcome of the background save in flight, then save (unless not ``write``:
         another replica group writes the job's checkpoint of this step)."""
         if not self.due(step, last):
+            if self.pending is not None:
+                self.poll(step)
             return
         if self.pending is not None:
-            self.join()
+            self.join(step)
         if not write:
             return
         if last:
@@ -260,7 +261,7 @@ class Saver:
 
     def _start_background(self, target: SaveTarget, state: dict, writer, sidecar: tuple[str, bytes] | None) -> bool:
         """Start the save's thread (it copies ``state``, writes it, and on rank 0 commits it) and return."""
-        job = BackgroundSave(target, writer)
+        job = BackgroundSave(target, writer, step_now=lambda: self.components.train_state.step)
         _, error = attempt("async checkpoint save", self._start_thread, job, state, sidecar)
         reasons = self.comm.agree(error)
         job.call_returned(time.perf_counter() - target.t0)  # the save's thread may commit from now on
@@ -272,17 +273,27 @@ class Saver:
     def _start_thread(self, job: BackgroundSave, state: dict, sidecar: tuple[str, bytes] | None) -> None:
         if self._staging is None:
             # Pinned buffers need CUDA; DCP's stager creates its side stream here, on the training thread.
-            self._staging = PinnedStaging() if self.pinned else FreshStaging()
+            reuse = self.cfg.async_mode == "async_with_pinned_mem"
+            self._staging = ReusedStaging(pinned=self.components.use_cuda) if reuse else FreshStaging()
+        staging = self._staging
+        if job.target.step in self.cfg.drill_fail_copy_steps and self.comm.rank == self.comm.world - 1:
+            staging = _FailingCopy()
         comm = Collectives(self.async_pg)
-        job.start(state, self._staging, lambda staged: self._write_in_background(job, staged, sidecar, comm))
+        job.start(state, staging, lambda staged, copy_error: self._write_in_background(job, staged, copy_error,
+                                                                                       sidecar, comm))
 
-    def _write_in_background(self, job: BackgroundSave, staged: dict, sidecar: tuple[str, bytes] | None,
-                             comm: Collectives) -> Any:
+    def _write_in_background(self, job: BackgroundSave, staged: dict | None, copy_error: BaseException | None,
+                             sidecar: tuple[str, bytes] | None, comm: Collectives) -> Any:
         """On the save's thread: DCP's write, the data-loader state file, the checksums gathered, and on
-        rank 0 the commit once the save call has returned (the marker records how long it blocked)."""
+        rank 0 the commit once the save call has returned (the marker records how long it blocked). After
+        a failed copy (``copy_error``) this rank enters DCP's save with nothing and its writer raises the
+        error while planning, so DCP fails the save on every rank before anyone writes."""
         import torch.distributed.checkpoint as dcp
 
         target = job.target
+        if copy_error is not None:
+            job.writer.abort = copy_error
+            staged = {}
         # DCP first: every rank takes part in its collectives whatever happens to rank 0's sidecar. DCP
         # raises on every rank when one failed, so every rank that gets past it takes part in the gather.
         result = dcp.save(staged, storage_writer=job.writer, process_group=self.async_pg)
@@ -312,24 +323,38 @@ class Saver:
             except ERRORS:
                 pass  # reported with the upload's result, when the ranks agree on the outcome
 
-    def join(self) -> None:
+    def poll(self, step: int) -> None:
+        """At a step boundary while a background save is in flight (all ranks; one small all-reduce): when
+        it failed on any rank, or has ended on every rank, agree on its outcome now, as a synchronous save
+        would have (a failure stops the run at ``checkpoint.max_failed_saves``, or is counted)."""
+        job = self.pending
+        failed, done = self.comm.sum([int(job.failed), int(job.done)])
+        if failed or done == self.comm.world:
+            self.join(step)
+
+    def join(self, step: int | None = None) -> None:
         """Wait for the background save on every rank and agree on its outcome (saved, or failed: counted,
-        and the run stops at ``checkpoint.max_failed_saves`` in a row)."""
+        and the run stops at ``checkpoint.max_failed_saves`` in a row). ``step``: the step just trained."""
         job, self.pending = self.pending, None
         job.wait()
         _, error = attempt("background checkpoint save", job.upload.result)
-        self._finish_save(job.target, error, job.blocking_s, committed=True, seconds=job.done_s)
+        note = ""
+        if job.ended_in_step is not None and step is not None:
+            note = (f" (in the background: it ended during step {job.ended_in_step}, agreed by every rank after "
+                    f"step {step})")
+        self._finish_save(job.target, error, job.blocking_s, committed=True, seconds=job.done_s, note=note)
 
     # ----------------------------------------------------------------------------------------------
     # Outcome
     # ----------------------------------------------------------------------------------------------
 
     def _finish_save(self, target: SaveTarget, error: str | None, blocking_s: float, writer: Any = None,
-                     committed: bool = False, seconds: float | None = None) -> bool:
+                     committed: bool = False, seconds: float | None = None, note: str = "") -> bool:
         """After DCP wrote (or failed to write) ``target.tmp``: rank 0 gathers the checksums every rank
         computed while writing and commits when its own save succeeded (DCP's coordinator succeeds only if
         every rank did), unless the save's thread did (``committed``), then all ranks agree on the outcome.
-        ``seconds``: how long the save took, when it ended before now (a background save)."""
+        ``seconds``: how long the save took, when it ended before now (a background save); ``note``: said
+        with a failure."""
         step, marker = target.step, target.marker
         if not committed:
             gathered = self.comm.gather(writer.sums if writer is not None else {})
@@ -338,7 +363,7 @@ class Saver:
                 error = error and f"commit failed: {error}"
         reasons = self.comm.agree(error)
         if reasons:
-            return self._failed(step, target.tmp, reasons, refused=False)
+            return self._failed(step, target.tmp, reasons, refused=False, note=note)
         self.consecutive_failures = 0
         self.saves += 1
         if marker["kind"] in RESUMABLE_KINDS:
@@ -385,7 +410,7 @@ class Saver:
                 shutil.rmtree(c.path, ignore_errors=True)
                 logger.info("checkpoint %s deleted (keep_latest_k=%d)", c.path.name, k)
 
-    def _failed(self, step: int, tmp: Path, reasons: list[str], refused: bool) -> bool:
+    def _failed(self, step: int, tmp: Path, reasons: list[str], refused: bool, note: str = "") -> bool:
         """A failed (or refused) save, agreed by all ranks: report it, clean up, count it, maybe stop."""
         self.failures += 1
         self.consecutive_failures += 1
@@ -398,11 +423,22 @@ class Saver:
                 causes.append(f"(could not remove {tmp}: {e})")
             latest = [c.path.name for c in scan_folder(self.folder) if c.complete]
             logger.error(
-                "checkpoint step-%d %s: %s. Failed saves: %d in this run, %d in a row (checkpoint.max_failed_saves"
-                "=%d). Latest complete checkpoint: %s", step, "refused" if refused else "FAILED", " | ".join(causes),
-                self.failures, self.consecutive_failures, self.cfg.max_failed_saves, latest[-1] if latest else "none")
+                "checkpoint step-%d %s%s: %s. Failed saves: %d in this run, %d in a row (checkpoint.max_failed_saves"
+                "=%d). Latest complete checkpoint: %s", step, "refused" if refused else "FAILED", note,
+                " | ".join(causes), self.failures, self.consecutive_failures, self.cfg.max_failed_saves,
+                latest[-1] if latest else "none")
         if self.consecutive_failures >= self.cfg.max_failed_saves:
             raise CheckpointError(
                 f"stopping after {self.consecutive_failures} failed checkpoint save(s) in a row "
                 f"(checkpoint.max_failed_saves={self.cfg.max_failed_saves}); last: step-{step}: {reasons[0]}")
         return False
+
+
+class _FailingCopy:
+    """Fault drill (``checkpoint.drill_fail_copy_steps``): the copy of a background save fails."""
+
+    def stage(self, state: dict) -> dict:
+        raise OSError("fault drill: injected copy failure (checkpoint.drill_fail_copy_steps)")
+
+    def close(self) -> None:
+        pass

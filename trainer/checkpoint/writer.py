@@ -46,8 +46,16 @@ def _writer_class():
             self.delay_s = delay_s
             self.fail = fail
             self.sums: dict[str, dict] = {}  # {file: {size, checksum}} of the files this rank wrote
+            self.abort: BaseException | None = None  # raised while planning: this rank has nothing to write
             if checksum != "none":
                 self.fs, self.sums = hashing_filesystem(self.fs, checksum)
+
+        def prepare_local_plan(self, plan):
+            # DCP gathers every rank's plan (or its exception) before anyone writes: raising here fails the
+            # save on every rank at once.
+            if self.abort is not None:
+                raise self.abort
+            return super().prepare_local_plan(plan)
 
         def write_data(self, plan, planner):
             if self.delay_s > 0:
@@ -63,5 +71,6 @@ def _writer_class():
 def new_writer(path: str, *, checksum: str, thread_count: int, delay_s: float = 0.0, fail: bool = False):
     """A DCP storage writer of ``path`` whose ``sums`` fill with ``{file: {"size", "checksum"}}`` of the
     ``.distcp`` files it writes (hashed as the bytes go out, nothing read back; empty with checksum
-    none). ``delay_s`` and ``fail`` are the fault drills: a slow save, a failing one."""
+    none). ``delay_s`` and ``fail`` are the fault drills: a slow save, a failing one. Setting ``abort`` to an
+    exception before the save makes this rank's planning raise it (a background save whose copy failed)."""
     return _writer_class()(path, delay_s=delay_s, fail=fail, checksum=checksum, thread_count=thread_count)

@@ -1,7 +1,7 @@
 """``trainer bench``: performance benchmarks of the trainer itself.
 
-    trainer bench [overhead|data|data-files|checkpoint|gpu|kernels|vs-torchtitan|integrity|eval|all] [--json FILE]
-                  [--steps N|small] [--config FILE] [--section.key value ...]
+    trainer bench [overhead|data|data-files|checkpoint|staging|gpu|kernels|vs-torchtitan|integrity|eval|all]
+                  [--json FILE] [--steps N|small] [--config FILE] [--section.key value ...]
 
 Suites (each prints rows of the table and fills one entry of the JSON results):
 
@@ -32,7 +32,12 @@ Suites (each prints rows of the table and fills one entry of the JSON results):
   of the raw bandwidth. Then inside a debug-model training run: save throughput of synchronous and
   asynchronous saves and load throughput, through the trainer's ``CheckpointManager`` (DCP); how long an
   asynchronous save blocks the loop (from the save call until the loop may continue) against a
-  synchronous save; and the slowdown of steps while the background write runs.
+  synchronous save; and the slowdown of steps while the background write runs. Both asynchronous modes
+  are run, and the copy of the state (a fresh copy per save with ``async``, buffers reused from save to
+  save with ``async_with_pinned_mem``) is timed in each, as a ratio of the two, and alone at
+  ``--staging-gb`` on the training device (``staging``, below).
+* ``staging``: only that copy, fresh against reused buffers (pinned on CUDA), ``--staging-gb`` GB of
+  float32 tensors on CUDA when there is one (``staging.py``).
 * ``gpu`` (CUDA only; skipped elsewhere): tokens/s, MFU and peak memory per flavor (debug_gqa, llama3_1b,
   llama3_3b, llama3_8b with fewer layers) and variant (eager bf16, compile, compile+float8 tensorwise,
   compile+float8 rowwise, compile+selective op AC, compile+full AC), each case in its own process, with the
@@ -81,6 +86,7 @@ SUITES: dict[str, tuple[str, str, bool]] = {
     "data": ("trainer.tools.bench.data", "bench_data", True),
     "data-files": ("trainer.tools.bench.data_files", "bench_data_files", False),
     "checkpoint": ("trainer.tools.bench.checkpoint", "bench_checkpoint", True),
+    "staging": ("trainer.tools.bench.staging", "bench_staging", False),
     "integrity": ("trainer.tools.bench.integrity", "bench_integrity", False),
     "gpu": ("trainer.tools.bench.gpu", "bench_gpu", True),
     "kernels": ("trainer.tools.bench.kernels", "bench_kernels", False),
@@ -137,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-sizes", default=None,
                         help="checkpoint: comma-separated model flavors measured against the disk (default "
                              "debugmodel,llama3_1b_4l,llama3_1b; those that do not fit in memory are skipped)")
+    parser.add_argument("--staging-gb", type=float, default=1.0,
+                        help="checkpoint, staging: GB of state copied by a background save's staging, fresh against "
+                             "reused buffers (on CUDA when there is one)")
     parser.add_argument("--checkpoint-folder", default=None,
                         help="checkpoint: where to write (the filesystem measured; default: a temporary folder)")
     parser.add_argument("--integrity-mb", type=int, default=256, help="integrity: MiB hashed in memory and on disk")

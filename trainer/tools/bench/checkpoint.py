@@ -68,8 +68,11 @@ class _Run:
         s["async_blocking_s"].append(self.timed(lambda: self.save(True)))
         saved = self.step
         done_at: list[float] = []
-        ckpt.pending.upload.add_done_callback(lambda _f: done_at.append(time.perf_counter()))
+        job = ckpt.pending
+        job.upload.add_done_callback(lambda _f: done_at.append(time.perf_counter()))
         after = self.drain()
+        if job.copy_s is not None:
+            s["async_copy_s"].append(job.copy_s)
         if done_at:
             s["async_write_s"].append(done_at[0] - t_call)
         s["first_step_after_async_s"].append(after[0])
@@ -94,7 +97,7 @@ def _checkpoint_mode(args, overrides: list[str], workdir: str, async_mode: str, 
     run = _Run(trainer)
     s: dict[str, list[float]] = {k: [] for k in (
         "sync_save_s", "async_blocking_s", "async_call_to_commit_s", "async_write_s", "load_s",
-        "first_step_after_async_s", "nbytes", "normal_step", "during_write")}
+        "first_step_after_async_s", "nbytes", "normal_step", "during_write", "async_copy_s")}
     with _quiet():
         run.train(2)  # optimizer state exists from here on
         # Warm-up (untimed): the first save of a process pays for imports, planner caches, new files.
@@ -119,6 +122,7 @@ def _summary(async_mode: str, repeats: int, s: dict[str, list[float]]) -> dict[s
         "sync_save_s": med(sync), "async_blocking_s": med(block),
         "async_first_step_extra_s": first_extra, "async_call_to_commit_s": med(s["async_call_to_commit_s"]),
         "load_s": med(load), "async_write_s": med(write) if write else None,
+        "async_copy_s": med(s["async_copy_s"]) if s["async_copy_s"] else None,
         "sync_save_gb_per_s": size / med(sync) / 1e9,
         "async_save_gb_per_s": size / med(write) / 1e9 if write else None,
         "load_gb_per_s": size / med(load) / 1e9,
@@ -126,18 +130,23 @@ def _summary(async_mode: str, repeats: int, s: dict[str, list[float]]) -> dict[s
         "async_block_fraction_incl_next_step": (med(block) + first_extra) / med(sync),
         "step_time_s": step_time, "step_time_during_async_write_s": med(s["during_write"]),
         "samples": {k: s[k] for k in ("sync_save_s", "async_blocking_s", "async_call_to_commit_s", "async_write_s",
-                                      "load_s", "first_step_after_async_s")},
+                                      "load_s", "first_step_after_async_s", "async_copy_s")},
     }
 
 
 def bench_checkpoint(args, overrides: list[str], workdir: str) -> dict[str, Any]:
-    """Both asynchronous modes (``async``: a fresh staging copy per save; ``async_with_pinned_mem``: reused
-    pinned buffers and background staging on CUDA), each on its own trainer; the headline is the mode
-    that blocks least."""
+    """Both asynchronous modes (``async``: a fresh staging copy per save; ``async_with_pinned_mem``: buffers
+    reused from save to save, pinned and filled in the background on CUDA), each on its own trainer; the
+    headline is the mode that blocks least. ``copy_reused_vs_fresh``: the save thread's copy in the second
+    mode over the first's; ``staging``: the same copy alone at ``--staging-gb`` (:mod:`.staging`)."""
     from .checkpoint_disk import bench_checkpoint_disk
+    from .staging import bench_staging
 
     disk = bench_checkpoint_disk(args, overrides, workdir)
+    staging = bench_staging(args, overrides, workdir)
     repeats = 1 if args.steps == "small" else args.checkpoint_repeats
     modes = {m: _checkpoint_mode(args, overrides, workdir, m, repeats) for m in ("async", "async_with_pinned_mem")}
     best = min(modes.values(), key=lambda r: r["async_block_fraction"])
-    return {"disk": disk, **{k: v for k, v in best.items() if k != "samples"}, "modes": modes}
+    fresh, reused = (modes[m]["async_copy_s"] for m in ("async", "async_with_pinned_mem"))
+    return {"disk": disk, "staging": staging, **{k: v for k, v in best.items() if k != "samples"}, "modes": modes,
+            "copy_reused_vs_fresh": reused / fresh if fresh and reused is not None else None}

@@ -87,12 +87,17 @@ def _checkpoint_rows(rows: _Rows, c: dict) -> None:
                 ok = value >= bound if op == ">=" else value <= bound
                 verdict = f"target {op} {bound:g}: {'PASS' if ok else 'MISS'}"
             rows.append((name, fmt.format(value) if isinstance(value, (int, float)) else str(value), verdict))
+    if "staging" in c:
+        _staging_rows(rows, c["staging"])
     add("checkpoint: size (MB)", c["checkpoint_bytes"] / 1e6, "{:.1f}")
     for mode, m in c.get("modes", {c["async_mode"]: c}).items():
         add(f"checkpoint: sync save (s) [{mode} run]", m["sync_save_s"], "{:.3f}")
+        add(f"checkpoint: async, the save thread's copy (s) [{mode}]", m.get("async_copy_s"), "{:.3f}")
         add(f"checkpoint: async save blocks the loop (s) [{mode}]", m["async_blocking_s"], "{:.3f}")
         add(f"checkpoint: async, extra time of the next step (s) [{mode}]", m["async_first_step_extra_s"], "{:.3f}")
         add(f"checkpoint: async block / sync save [{mode}]", m["async_block_fraction"], "{:.3f}")
+    add("checkpoint: copy, reused buffers / fresh (async_with_pinned_mem / async)", c.get("copy_reused_vs_fresh"),
+        "{:.3f}")
     add(f"async_block_fraction (best mode: {c['async_mode']})", c["async_block_fraction"], "{:.3f}",
         "async_block_fraction")
     add("checkpoint: sync save GB/s", c["sync_save_gb_per_s"], "{:.3f}")
@@ -101,6 +106,13 @@ def _checkpoint_rows(rows: _Rows, c: dict) -> None:
     add("checkpoint: load GB/s", c["load_gb_per_s"], "{:.3f}")
     add("checkpoint: step time / during async write (s)",
         f"{c['step_time_s']:.3f} / {c['step_time_during_async_write_s']:.3f}")
+
+
+def _staging_rows(rows: _Rows, s: dict) -> None:
+    from .staging import staging_rows
+
+    for name, value in staging_rows(s):
+        rows.append((name, value, ""))
 
 
 def _gpu_rows(rows: _Rows, g: dict) -> None:
@@ -133,7 +145,7 @@ def _generic_rows(rows: _Rows, suite: str, r: dict) -> None:
 
 
 ROWS = {"overhead": _overhead_rows, "data": _data_rows, "data-files": _data_files_rows,
-        "checkpoint": _checkpoint_rows, "gpu": _gpu_rows, "kernels": _kernel_rows}
+        "checkpoint": _checkpoint_rows, "staging": _staging_rows, "gpu": _gpu_rows, "kernels": _kernel_rows}
 
 
 def format_table(results: dict[str, Any]) -> str:

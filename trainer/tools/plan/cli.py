@@ -33,6 +33,7 @@ from trainer.tools.plan.memory import (
     GiB,
     Layout,
     Shape,
+    checkpoint_staging_bytes,
     gpu_memory_gib,
     memory_estimate,
     search_layouts,
@@ -120,6 +121,7 @@ def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | No
                        "fits": est["total"] <= usable_fraction * capacity,
                        "activations_by_ac_gib": ac_table,
                        "tokens_per_step": (gb if gb > 0 else configured.local_batch_size * configured.dp) * seq_len},
+        "host": _host_memory(config, shape, configured),
         "recommended": None,
         "candidates": [],
         "notes": [],
@@ -134,6 +136,21 @@ def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | No
                                      "fits": r["fits"], "grad_accum_steps": r["grad_accum_steps"]})
     result["measured"] = _measured_rows(config, configured, ngpu, est, measured)
     return result
+
+
+# How long each checkpoint.async_mode holds its staging copy of the rank's state, in host memory.
+STAGING_HELD = {
+    "async_with_pinned_mem": "kept for the whole run, pinned on CUDA",
+    "async": "allocated at each save, freed once written",
+    "disabled": "none: synchronous saves (async modes would copy this much)",
+}
+
+
+def _host_memory(config: JobConfig, shape: Shape, layout: Layout) -> dict[str, Any]:
+    """Host (CPU) memory per rank that the plan knows of: the background checkpoint save's staging copy."""
+    mode = config.checkpoint.async_mode
+    return {"checkpoint_staging_gib": round(checkpoint_staging_bytes(shape, layout) / GiB, 3),
+            "checkpoint_async_mode": mode, "held": STAGING_HELD[mode]}
 
 
 def _recommend(result: dict, rows: list[dict], configured: Layout, gb: int, ngpu: int, gpu: str,
@@ -204,6 +221,9 @@ def format_report(r: dict) -> str:
                  f"{'fits' if c['fits'] else 'DOES NOT FIT'}")
     acs = ", ".join(f"{k} {v:.2f}" for k, v in c["activations_by_ac_gib"].items())
     lines.append(f"  activations (+ one recomputed layer) by AC mode: {acs} GiB")
+    h = r["host"]
+    lines.append(f"  host memory per rank: checkpoint staging {h['checkpoint_staging_gib']:.3f} GiB "
+                 f"(checkpoint.async_mode {h['checkpoint_async_mode']}: {h['held']})")
     for row in r["measured"]:
         lines.append(f"  measured peak ({row['variant']}): {row['measured_gib']:.2f} GiB vs estimate {row['estimate_gib']:.2f}")
     lines.append("")

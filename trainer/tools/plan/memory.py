@@ -347,6 +347,14 @@ def memory_estimate(s: Shape, layout: Layout, *, compute_dtype: str = "bfloat16"
     return {"precision": p.name, "stage_layers": layers, **{k: float(v) for k, v in terms.items()}}
 
 
+def checkpoint_staging_bytes(s: Shape, layout: Layout) -> float:
+    """Host bytes per rank a background checkpoint save copies the state into (checkpoint.async_mode): the
+    rank's shard of the fp32 weights and of AdamW's two moments, 12 bytes per parameter it holds (the
+    larger pipeline stage), wherever the states live (cpu_offload included)."""
+    stages = [None] if layout.pp == 1 else ["first", "last"]
+    return max(3 * memory_estimate(s, layout, stage=stage)["params"] for stage in stages)
+
+
 def _peak(out: dict, s: Shape, layout: Layout, p: Precision, layers: int, first: bool, last: bool,
           reshard_after_forward: str) -> float:
     """The largest of the step's three moments (module docstring, "total"): the loss's backward, the
