@@ -342,7 +342,7 @@ def _tensors(obj) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_reused_staging_async_saves_commit_the_state_of_their_step(tmp_path, monkeypatch, caplog, device):
-    """async_with_pinned_mem: the same background path, staged by DCP's stager into buffers allocated at
+    """async_with_pinned_mem: the same background path, staged into buffers allocated at
     the first save and reused by the next (pinned on CUDA; ordinary memory on a CPU-only machine, which the
     run says at start); each committed checkpoint is the state of its step, bitwise, though the weights
     changed while it was written."""

@@ -6,7 +6,7 @@ GIL only between tensor copies (each ``Tensor.copy_`` releases it), so the train
 beside it, and the optimizer step waits for :attr:`BackgroundSave.staging` (a pre-step hook) before it
 changes the weights and moments being copied. Where the copy goes is the :class:`Staging` given:
 fresh CPU memory at every save (:class:`FreshStaging`), or with ``async_with_pinned_mem`` buffers reused
-from save to save (:class:`ReusedStaging`, DCP's own stager; pinned on CUDA).
+from save to save (:class:`ReusedStaging`; pinned on CUDA).
 """
 
 from __future__ import annotations
@@ -21,39 +21,47 @@ from typing import Any, Callable, Protocol
 import torch
 
 
-def stage_copy(obj: Any, memo: dict[int, torch.Tensor] | None = None) -> Any:
-    """A copy of a state dict whose tensors are in fresh CPU memory: what a background save writes while
-    training changes the live tensors. DTensors stay DTensors of the same mesh, placements and global
-    shape (their local shards are copied); dicts, lists and tuples are copied; other values (numbers,
-    strings, bytes) are immutable and shared. A tensor object that appears twice is copied once. Each
-    copy is one ``Tensor.copy_``, which releases the GIL: the training loop's Python runs beside it."""
-    if memo is None:
-        memo = {}
+def stage_copy(obj: Any, memo: dict[int, torch.Tensor] | None = None,
+               copy: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Any:
+    """A copy of a state dict whose tensors are in CPU memory: what a background save writes while training
+    changes the live tensors. Each plain tensor (a DTensor's local shard) goes through ``copy`` (default: a
+    fresh CPU tensor); DTensors stay DTensors of the same mesh, placements and global shape; dicts, lists and
+    tuples are copied; other values (numbers, strings, bytes) are immutable and shared. A tensor object that
+    appears twice is copied once. Each copy is one ``Tensor.copy_``, which releases the GIL: the training
+    loop's Python runs beside it."""
+    return _stage(obj, {} if memo is None else memo, copy or _fresh_copy)
+
+
+def _stage(obj: Any, memo: dict[int, torch.Tensor], copy: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
         key = id(obj)
         if key not in memo:
-            memo[key] = _copy_tensor(obj)
+            memo[key] = _copy_tensor(obj, copy)
         return memo[key]
     if isinstance(obj, dict):
-        return {k: stage_copy(v, memo) for k, v in obj.items()}
+        return {k: _stage(v, memo, copy) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [stage_copy(v, memo) for v in obj]
+        return [_stage(v, memo, copy) for v in obj]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(stage_copy(v, memo) for v in obj)
+        return tuple(_stage(v, memo, copy) for v in obj)
     return obj
 
 
-def _copy_tensor(t: torch.Tensor) -> torch.Tensor:
+def _copy_tensor(t: torch.Tensor, copy: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     with torch.no_grad():
         if isinstance(t, DTensor):
-            local = _copy_tensor(t.to_local())
+            local = _copy_tensor(t.to_local(), copy)
             return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,
                                       stride=t.stride())
-        out = torch.empty_like(t, device="cpu")
-        out.copy_(t)
-        return out
+        return copy(t)
+
+
+def _fresh_copy(t: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(t, device="cpu")
+    out.copy_(t)
+    return out
 
 
 class Staging(Protocol):
@@ -76,27 +84,49 @@ class FreshStaging:
 
 
 class ReusedStaging:
-    """``async_with_pinned_mem``: DCP's stager (the public ``torch.distributed.checkpoint.staging`` API) keeps
-    one CPU buffer per tensor of the state and copies into it again at every save: memory the size of this
-    rank's state (weights and optimizer moments) held for the whole run, no allocation per save. ``pinned``
-    (CUDA): the buffers are page-locked and filled by non-blocking copies on a side stream; elsewhere they
-    are ordinary memory filled by plain copies. Created on the training thread (DCP creates its side
-    stream there, apart from the compute stream); its ``stage`` runs on one save's thread at a time (saves
-    never overlap, so no save's buffers are overwritten while it writes them), as the stager requires."""
+    """``async_with_pinned_mem``: one CPU buffer per tensor of the state, allocated at the first save and
+    filled again at every later one: memory the size of this rank's state (weights and optimizer moments)
+    held for the whole run, no allocation per save. The state walks in the same order at every save, so the
+    n-th tensor reuses the n-th buffer (a new one where its shape or dtype changed). ``pinned`` (CUDA): the
+    buffers are page-locked and filled by non-blocking copies on a side stream that first waits for the
+    compute stream; elsewhere they are ordinary memory filled by plain copies. Created on the training
+    thread; its ``stage`` runs on one save's thread at a time (saves never overlap, so no save's buffers
+    are overwritten while it writes them). The buffers are the trainer's own rather than DCP's stager's,
+    whose copy of the state's non-tensor parts differs between torch releases (torch 2.11's fails on ours)."""
 
     def __init__(self, pinned: bool):
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
         self.pinned = pinned
-        self._stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
-                                                    use_async_staging=pinned, use_non_blocking_copy=pinned))
+        self._buffers: list[torch.Tensor] = []
+        self._stream = torch.cuda.Stream() if pinned else None
+        self._compute = torch.cuda.current_stream() if pinned else None
 
     def stage(self, state: dict) -> dict:
-        staged = self._stager.stage(state)
-        return staged.result() if isinstance(staged, Future) else staged
+        count = 0
+
+        def into_buffer(t: torch.Tensor) -> torch.Tensor:
+            nonlocal count
+            if count == len(self._buffers):
+                self._buffers.append(self._new(t))
+            elif self._buffers[count].shape != t.shape or self._buffers[count].dtype != t.dtype:
+                self._buffers[count] = self._new(t)
+            buffer = self._buffers[count]
+            count += 1
+            buffer.copy_(t, non_blocking=self.pinned and t.is_cuda)
+            return buffer
+
+        if self._stream is None:
+            return stage_copy(state, copy=into_buffer)
+        self._stream.wait_stream(self._compute)
+        with torch.cuda.stream(self._stream):
+            staged = stage_copy(state, copy=into_buffer)
+        self._stream.synchronize()
+        return staged
+
+    def _new(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pinned)
 
     def close(self) -> None:
-        self._stager.close()
+        self._buffers.clear()
 
 
 @dataclass

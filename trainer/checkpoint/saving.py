@@ -272,7 +272,7 @@ class Saver:
 
     def _start_thread(self, job: BackgroundSave, state: dict, sidecar: tuple[str, bytes] | None) -> None:
         if self._staging is None:
-            # Pinned buffers need CUDA; DCP's stager creates its side stream here, on the training thread.
+            # Pinned buffers need CUDA; the side stream is created here, on the training thread.
             reuse = self.cfg.async_mode == "async_with_pinned_mem"
             self._staging = ReusedStaging(pinned=self.components.use_cuda) if reuse else FreshStaging()
         staging = self._staging
