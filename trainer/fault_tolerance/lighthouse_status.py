@@ -90,18 +90,19 @@ class StatusReader:
         self.listed.update(beats)
         return beats
 
-    def live_of_group(self, replica_id: int, during: str) -> int:
-        """How many live Managers heartbeat under ``replica_<replica_id>``: read twice, LIVENESS_WINDOW_S
-        apart, when the first read lists more than one (a dead group's entry stays on the page; a live one's
-        age starts again from 0 between the two reads)."""
-        first = _of_group(self.read(during), replica_id)
-        if len(first) < 2:
-            return len(first)
+    def live_of_group(self, replica_id: int, during: str, *, more_than: int) -> bool:
+        """Whether more than ``more_than`` live Managers heartbeat under ``replica_<replica_id>``. An entry
+        not heard for 10 x LIVENESS_WINDOW_S is dead; otherwise the page is read again LIVENESS_WINDOW_S
+        later, and only entries heard in between are live (a dead group's entry stays on the page, ageing;
+        a live one's age starts again from 0)."""
+        recent = [age for age in _of_group(self.read(during), replica_id).values() if age < 10 * LIVENESS_WINDOW_S]
+        if len(recent) <= more_than:
+            return False
         t0 = time.monotonic()
         time.sleep(LIVENESS_WINDOW_S)
         second = _of_group(self.read(during), replica_id)
         waited = time.monotonic() - t0
-        return sum(1 for age in second.values() if age < waited)
+        return sum(1 for age in second.values() if age < waited) > more_than
 
 
 def check_id_free(reader: StatusReader, replica_id: int, *, own: int) -> None:
@@ -115,8 +116,7 @@ def check_id_free(reader: StatusReader, replica_id: int, *, own: int) -> None:
         deadline = time.monotonic() + 10 * LIVENESS_WINDOW_S
         while not set(_of_group(reader.read("at start"), replica_id)) - before and time.monotonic() < deadline:
             time.sleep(0.05)
-    live = reader.live_of_group(replica_id, "at start")
-    if live > own:
+    if reader.live_of_group(replica_id, "at start", more_than=own):
         raise ConfigError(f"fault_tolerance.replica_id {replica_id} is taken: another replica group with that id "
                           f"is training with the lighthouse {reader.address}; give each group its own replica_id "
                           "in 0 .. group_size - 1 (if that group was just killed, wait "

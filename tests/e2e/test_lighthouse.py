@@ -1,0 +1,157 @@
+"""A fault-tolerant job's lighthouse as users meet it, through `trainer lighthouse` and run_train.sh, with
+one real lighthouse and real replica groups (one process each) shared by every assertion of one job:
+
+- group 0 starts and waits for the job's other group (fault_tolerance.join_timeout_ms);
+- a copy of group 0's command (the same replica_id) stops in one line, exit 2, before it writes anything,
+  and group 0 is unaffected;
+- group 1 starts; both take step 1 together (nobody recovers, nobody missed a step);
+- the lighthouse is killed mid-run: both groups stop within fault_tolerance.quorum_timeout_ms in one line
+  naming TORCHFT_LIGHTHOUSE and its address (exit 7), the job's checkpoint of the last step saved.
+
+`trainer lighthouse` on a port in use, and the address it prints, are checked here too (no job)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.launch import FAST, ROOT, train_env, train_in_process
+from tests.support.processes import free_port, kill_tree, popen, run, wait_for
+from trainer.checkpoint.layout import scan_folder
+
+pytest.importorskip("torchft")
+
+pytestmark = pytest.mark.slow
+
+STEPS = 400  # more than the job gets through before the lighthouse is killed
+TIMEOUTS = ("--fault_tolerance.quorum_timeout_ms", "3000", "--fault_tolerance.connect_timeout_ms", "2000",
+            "--fault_tolerance.process_group_timeout_ms", "3000")
+
+
+def start_group(dump: Path, replica_id: int, address: str, name: str) -> subprocess.Popen:
+    """One replica group (run_train.sh, one process): stdout to <name>.out, stderr (the launcher's one
+    line) to <name>.err."""
+    cmd = [str(ROOT / "run_train.sh"), "--job.dump_folder", str(dump), *FAST, "--training.steps", str(STEPS),
+           "--fault_tolerance.enable", "--fault_tolerance.group_size", "2", "--fault_tolerance.replica_id",
+           str(replica_id), "--fault_tolerance.join_timeout_ms", "240000", *TIMEOUTS, "--checkpoint.enable",
+           "--checkpoint.interval", "1000"]
+    with open(dump.parent / f"{name}.out", "w") as out, open(dump.parent / f"{name}.err", "w") as err:
+        return popen(cmd, cwd=ROOT, env=train_env(1, env={"TORCHFT_LIGHTHOUSE": address}), stdout=out, stderr=err)
+
+
+def records(dump: Path, replica_id: int) -> list[dict]:
+    path = dump / f"replica_{replica_id}" / "metrics.jsonl"
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text.splitlines() if line.strip().endswith("}")]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """The job's run; returns its folder, the lighthouse's address and the groups' exit codes."""
+    folder = tmp_path_factory.mktemp("ft_job")
+    dump = folder / "job"
+    port = free_port()
+    lighthouse = popen([sys.executable, "-m", "trainer.cli", "lighthouse", "--port", str(port), "--min_replicas",
+                        "1", "--heartbeat_timeout_ms", "1000", "--join_timeout_ms", "2000"],
+                       stdout=open(folder / "lighthouse.out", "w"), stderr=subprocess.STDOUT)
+    address = f"http://localhost:{port}"
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        def listening() -> bool:
+            with socket.socket() as s:
+                return s.connect_ex(("127.0.0.1", port)) == 0
+
+        wait_for(listening, "the lighthouse to listen", timeout=60, proc=lighthouse, log=folder / "lighthouse.out")
+        procs["group0"] = start_group(dump, 0, address, "group0")
+        wait_for(lambda: "waiting up to" in (folder / "group0.out").read_text(), "group 0 waiting for group 1",
+                 proc=procs["group0"], log=folder / "group0.out")
+        procs["copy"] = start_group(dump, 0, address, "copy")  # a copied job script: replica_id 0 again
+        copy_rc = procs["copy"].wait(timeout=300)
+        procs["group1"] = start_group(dump, 1, address, "group1")
+        wait_for(lambda: all(len(records(dump, g)) >= 3 for g in (0, 1)), "both groups past step 3",
+                 proc=procs["group1"], log=folder / "group1.out")
+        kill_tree(lighthouse)
+        rcs = {g: procs[f"group{g}"].wait(timeout=300) for g in (0, 1)}
+    finally:
+        for proc in [lighthouse, *procs.values()]:
+            kill_tree(proc)
+    return {"folder": folder, "dump": dump, "address": address, "copy_rc": copy_rc, "rcs": rcs}
+
+
+def test_a_group_with_a_taken_replica_id_stops_before_it_trains(job):
+    err = (job["folder"] / "copy.err").read_text()
+    assert job["copy_rc"] == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "fault_tolerance.replica_id 0 is taken" in lines[0] and job["address"] in lines[0], err
+    # Nothing of group 0's was touched: its config, one record per step, its summary.
+    steps = [r["step"] for r in records(job["dump"], 0)]
+    assert steps == list(range(1, len(steps) + 1)), steps
+    assert "not committed" not in (job["folder"] / "group0.out").read_text()
+
+
+def test_groups_launched_together_take_step_one_together(job):
+    first = [records(job["dump"], g)[0] for g in (0, 1)]
+    assert [r["step"] for r in first] == [1, 1] and [r["replica_groups"] for r in first] == [2, 2], first
+    assert first[0]["loss"] == first[1]["loss"]
+    for g in (0, 1):
+        ft = json.loads((job["dump"] / f"replica_{g}" / "summary.json").read_text())["fault_tolerance"]
+        assert ft["recoveries"] == [] and ft["steps_missed"] == 0, ft
+
+
+def test_a_lighthouse_killed_mid_run_stops_both_groups_in_one_line_with_a_checkpoint(job):
+    assert job["rcs"] == {0: 7, 1: 7}, job["rcs"]
+    last = {g: records(job["dump"], g)[-1]["step"] for g in (0, 1)}
+    assert last[0] == last[1], last
+    for g in (0, 1):
+        err = (job["folder"] / f"group{g}.err").read_text()
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in err, err
+        assert f"TORCHFT_LIGHTHOUSE={job['address']} does not answer" in lines[0], err
+        assert "quorum_timeout_ms = 3000" in lines[0] and f"checkpoint step-{last[g]} saved" in lines[0], err
+    ckpt = job["dump"] / "checkpoint"
+    assert [c.step for c in scan_folder(ckpt) if c.complete and c.kind == "full"] == [last[0]]
+    for g in (0, 1):
+        assert [c.step for c in scan_folder(ckpt / f"replica_{g}") if c.complete] == [last[0]]
+
+
+def test_an_unreachable_lighthouse_at_start_is_one_line(tmp_path, monkeypatch):
+    """A port where nothing listens: exit 7 at once (not torchft's 60 s connect timeout), nothing written."""
+    address = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", address)
+    rc, out = train_in_process(tmp_path / "job", "--fault_tolerance.enable", "--fault_tolerance.group_size", "2",
+                               "--fault_tolerance.replica_id", "1", *TIMEOUTS, monkeypatch=monkeypatch)
+    assert rc == 7, out[-3000:]
+    assert f"the fault-tolerance lighthouse at TORCHFT_LIGHTHOUSE={address} does not answer at start" in out, out
+    assert "Traceback" not in out and not (tmp_path / "job" / "replica_1" / "config.toml").exists()
+
+
+def test_trainer_lighthouse_on_a_port_in_use_is_one_line_before_the_address():
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = run([sys.executable, "-m", "trainer.cli", "lighthouse", "--port", str(port)], cwd=ROOT, timeout=60)
+    assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"cannot listen on port {port}" in lines[0] and "--port" in lines[0], out.stderr
+
+
+def test_trainer_lighthouse_prints_an_address_other_nodes_can_reach():
+    from trainer.fault_tolerance.lighthouse import _interfaces, _outward_ip, _routable, reachable_host
+
+    if _outward_ip() is None and not any(_routable(a) for a in _interfaces()):
+        pytest.skip("this machine has no routable address for other nodes to reach")
+    host, which = reachable_host()
+    assert host not in ("localhost", "127.0.0.1", "::1") and which.startswith(f"# {host}: "), (host, which)
+    try:  # the address is this node's: a name that resolves here, or an address of one of its interfaces
+        resolved = socket.gethostbyname(host)
+    except OSError:
+        resolved = None
+    assert resolved is not None and not resolved.startswith("127."), (host, resolved)
+    assert reachable_host("head-node") == ("head-node", "# head-node: as given by --host")
