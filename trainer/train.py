@@ -428,7 +428,15 @@ class Trainer:
                         with obs.checkpoint():
                             lost = self.stop_without_lighthouse(e, step, start_step)
                         raise lost from None
-                    self.run_step(step, obs)
+                    try:
+                        self.run_step(step, obs)
+                    except TrainerError:
+                        raise
+                    except Exception as e:  # a semi-synchronous job's quorum is taken inside the step
+                        lost = self.replicas.lighthouse_lost(e, f"during step {step}")
+                        if lost is None:
+                            raise
+                        raise LighthouseLost(f"{lost}; step {step} was interrupted: nothing saved") from None
                     if step == start_step + 1:
                         set_train_timeout(config.comm.train_timeout_seconds)
                     signum = stopping.agreed(step) if step < config.training.steps else 0

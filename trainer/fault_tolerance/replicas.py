@@ -93,6 +93,9 @@ class SingleGroup:
     def metrics(self) -> dict:
         return {}
 
+    def lighthouse_lost(self, error: Exception, during: str) -> None:
+        return None
+
     def summary(self) -> dict:
         return {}
 
@@ -163,6 +166,15 @@ class TorchFTReplicas:
             self.sync_every = build_semi_sync(self.semi_sync, cfg, self.manager, model_parts[0], optimizer, device)
             self.sync_every.__enter__()
 
+    def lighthouse_lost(self, error: Exception, during: str) -> LighthouseLost | None:
+        """The one line for ``error`` if the lighthouse no longer answers (None: it does; ``error`` is
+        something else)."""
+        why = lighthouse_status.reachable(self.address, self.cfg.connect_timeout_ms / 1000)
+        if why is None:
+            return None
+        return lighthouse_status.unreachable(self.address, why, during=f"{during} (after fault_tolerance."
+                                             f"quorum_timeout_ms = {self.cfg.quorum_timeout_ms}: {type(error).__name__})")
+
     def _wait_for_groups(self, reader: StatusReader) -> None:
         if self.cfg.join_timeout_ms == 0 or self.cfg.group_size == 1:
             return
@@ -216,13 +228,11 @@ class TorchFTReplicas:
                 warnings.filterwarnings("ignore", message="The given buffer is not writable")
                 self.manager.start_quorum()  # synchronous: a group that is behind is whole when this returns
         except Exception as e:
-            why = lighthouse_status.reachable(self.address, self.cfg.connect_timeout_ms / 1000)
-            if why is None:
+            lost = self.lighthouse_lost(e, f"for the quorum of step {before + 1}")
+            if lost is None:
                 raise
             self.lost = True
-            raise lighthouse_status.unreachable(
-                self.address, why, during=f"for the quorum of step {before + 1} (after "
-                f"fault_tolerance.quorum_timeout_ms = {self.cfg.quorum_timeout_ms}: {type(e).__name__})") from None
+            raise lost from None
         self._last_rank = self.manager.participating_rank()
         groups = self.manager.num_participants()
         now = self.manager.current_step()
