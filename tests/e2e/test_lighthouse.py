@@ -3,8 +3,11 @@ one real lighthouse and real replica groups (one process each) shared by every a
 
 - group 0 starts and waits for the job's other group (fault_tolerance.join_timeout_ms);
 - a copy of group 0's command (the same replica_id) stops in one line, exit 2, before it writes anything,
-  and group 0 is unaffected;
-- group 1 starts; both take step 1 together (nobody recovers, nobody missed a step);
+  and group 0 is unaffected; group 1 starts meanwhile, and both take step 1 together (group 0 recovers
+  from nobody and missed no step);
+- group 1's process dies inside step 3 (the crash drill) and torchrun starts it again (MAX_RESTARTS):
+  group 0's step 3 is not committed and is repeated, not counted as skipped; group 1 recovers from group 0
+  and says at which step it joins, as its summary does, and counts none of group 0's uncommitted steps;
 - the lighthouse is killed mid-run: both groups stop within fault_tolerance.quorum_timeout_ms in one line
   naming TORCHFT_LIGHTHOUSE and its address (exit 7), the job's checkpoint of the last step saved.
 
@@ -33,15 +36,20 @@ TIMEOUTS = ("--fault_tolerance.quorum_timeout_ms", "3000", "--fault_tolerance.co
             "--fault_tolerance.process_group_timeout_ms", "3000")
 
 
-def start_group(dump: Path, replica_id: int, address: str, name: str) -> subprocess.Popen:
+CRASH_STEP = 3
+
+
+def start_group(dump: Path, replica_id: int, address: str, name: str, *args: str,
+                env: dict[str, str] | None = None) -> subprocess.Popen:
     """One replica group (run_train.sh, one process): stdout to <name>.out, stderr (the launcher's one
     line) to <name>.err."""
     cmd = [str(ROOT / "run_train.sh"), "--job.dump_folder", str(dump), *FAST, "--training.steps", str(STEPS),
            "--fault_tolerance.enable", "--fault_tolerance.group_size", "2", "--fault_tolerance.replica_id",
            str(replica_id), "--fault_tolerance.join_timeout_ms", "240000", *TIMEOUTS, "--checkpoint.enable",
-           "--checkpoint.interval", "1000"]
+           "--checkpoint.interval", "1000", *args]
     with open(dump.parent / f"{name}.out", "w") as out, open(dump.parent / f"{name}.err", "w") as err:
-        return popen(cmd, cwd=ROOT, env=train_env(1, env={"TORCHFT_LIGHTHOUSE": address}), stdout=out, stderr=err)
+        return popen(cmd, cwd=ROOT, env=train_env(1, env={"TORCHFT_LIGHTHOUSE": address, **(env or {})}),
+                     stdout=out, stderr=err)
 
 
 def records(dump: Path, replica_id: int) -> list[dict]:
@@ -71,10 +79,13 @@ def job(tmp_path_factory):
         wait_for(lambda: "waiting up to" in (folder / "group0.out").read_text(), "group 0 waiting for group 1",
                  proc=procs["group0"], log=folder / "group0.out")
         procs["copy"] = start_group(dump, 0, address, "copy")  # a copied job script: replica_id 0 again
+        procs["group1"] = start_group(dump, 1, address, "group1", "--debug.crash_at_step", str(CRASH_STEP),
+                                      env={"MAX_RESTARTS": "1"})
         copy_rc = procs["copy"].wait(timeout=300)
-        procs["group1"] = start_group(dump, 1, address, "group1")
-        wait_for(lambda: all(len(records(dump, g)) >= 3 for g in (0, 1)), "both groups past step 3",
-                 proc=procs["group1"], log=folder / "group1.out")
+        # Group 1 started again, recovered from group 0, and stepping with it.
+        wait_for(lambda: (dump / "replica_1" / "summary.json").exists() or any(
+            r["replica_groups"] == 2 and r["step"] > CRASH_STEP + 1 for r in records(dump, 1)),
+            "group 1 stepping with group 0 again", proc=procs["group1"], log=folder / "group1.out")
         kill_tree(lighthouse)
         rcs = {g: procs[f"group{g}"].wait(timeout=300) for g in (0, 1)}
     finally:
@@ -89,19 +100,45 @@ def test_a_group_with_a_taken_replica_id_stops_before_it_trains(job):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
     assert "fault_tolerance.replica_id 0 is taken" in lines[0] and job["address"] in lines[0], err
-    # Nothing of group 0's was touched: its config, one record per step, its summary.
-    steps = [r["step"] for r in records(job["dump"], 0)]
+    # Group 0 went on untouched: one committed record per step, and no step it failed but the one group 1
+    # crashed in (below).
+    rows = records(job["dump"], 0)
+    steps = [r["step"] for r in rows if r["committed"]]
     assert steps == list(range(1, len(steps) + 1)), steps
-    assert "not committed" not in (job["folder"] / "group0.out").read_text()
+    assert {r["step"] for r in rows if not r["committed"]} == {CRASH_STEP}, rows[:6]
+
+
+def summary(job, g: int) -> dict:
+    return json.loads((job["dump"] / f"replica_{g}" / "summary.json").read_text())
 
 
 def test_groups_launched_together_take_step_one_together(job):
-    first = [records(job["dump"], g)[0] for g in (0, 1)]
-    assert [r["step"] for r in first] == [1, 1] and [r["replica_groups"] for r in first] == [2, 2], first
-    assert first[0]["loss"] == first[1]["loss"]
-    for g in (0, 1):
-        ft = json.loads((job["dump"] / f"replica_{g}" / "summary.json").read_text())["fault_tolerance"]
-        assert ft["recoveries"] == [] and ft["steps_missed"] == 0, ft
+    first = records(job["dump"], 0)[0]
+    assert first["step"] == 1 and first["replica_groups"] == 2, first
+    ft = summary(job, 0)["fault_tolerance"]
+    assert ft["recoveries"] == [] and ft["steps_missed"] == 0, ft
+    # Group 1's first attempt (its records set aside when it started again) took step 1 with group 0.
+    (before_crash,) = (job["dump"] / "replica_1" / "previous_runs").glob("*/metrics.jsonl")
+    theirs = json.loads(before_crash.read_text().splitlines()[0])
+    assert theirs["step"] == 1 and theirs["replica_groups"] == 2 and theirs["loss"] == first["loss"], theirs
+
+
+def test_a_step_a_group_failed_in_is_repeated_and_the_recovery_is_reported_once(job):
+    out0 = (job["folder"] / "group0.out").read_text()
+    assert "skipped (None)" not in out0
+    repeated = [r for r in records(job["dump"], 0) if not r["committed"]]
+    assert repeated and all(r["step"] == CRASH_STEP for r in repeated), repeated
+    assert "skipped (not committed: a replica group failed during it; repeated)" in out0
+    s0, s1 = summary(job, 0), summary(job, 1)
+    assert s0["fault_tolerance"]["uncommitted_steps"] == len(repeated)
+    assert s0["skipped_steps"] == s1["skipped_steps"] == 0, (s0["skipped_steps"], s1["skipped_steps"])
+    (recovery,) = s1["fault_tolerance"]["recoveries"]
+    out1 = (job["folder"] / "group1.out").read_text()
+    assert f"it joins at step {recovery['step']} " in out1, out1[-3000:]
+    errs = [(job["folder"] / f"group{g}.err").read_text() for g in (0, 1)]
+    for text in (out0, out1, *errs):
+        assert "buffer is not writable" not in text and "Unable to reset NCCL flight recorder" not in text
+        assert "GET /checkpoint/" not in text
 
 
 def test_a_lighthouse_killed_mid_run_stops_both_groups_in_one_line_with_a_checkpoint(job):

@@ -67,12 +67,22 @@ def check_lighthouse(cfg: FaultTolerance) -> StatusReader | None:
     return reader if not dist.is_initialized() or dist.get_rank() == 0 else None
 
 
-class _QuietFlightRecorder(logging.Filter):
-    """torchft warns at every new quorum that it cannot reset NCCL's flight recorder; without CUDA there
-    is none to reset."""
+class _TorchFTLines(logging.Filter):
+    """torchft's Manager logs a fault it survives (a group that died mid-step) with a traceback on stderr
+    (Python's last-resort handler), which reads as a bug: its line, which names the exception, goes to
+    this group's console instead, without the traceback; the group says what follows (the step not
+    committed, the groups left). Without CUDA, its warning at every new quorum that NCCL's flight recorder
+    cannot be reset is dropped: there is none."""
+
+    def __init__(self, cuda: bool):
+        super().__init__()
+        self.cuda = cuda
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "Unable to reset NCCL flight recorder" not in record.getMessage()
+        message = record.getMessage()
+        if self.cuda or "Unable to reset NCCL flight recorder" not in message:
+            logger.log(record.levelno, "torchft: %s", message.splitlines()[0] if message else message)
+        return False
 
 
 class SingleGroup:
@@ -127,10 +137,8 @@ class TorchFTReplicas:
         pg = (torchft.ProcessGroupGloo(timeout=timeout) if cfg.process_group == "gloo"
               else torchft.ProcessGroupNCCL(timeout=timeout))
         self.address = os.environ[LIGHTHOUSE_ENV]
-        self._quiet = None
-        if device.type != "cuda":
-            self._quiet = _QuietFlightRecorder()
-            logging.getLogger("torchft.manager").addFilter(self._quiet)
+        self._quiet = _TorchFTLines(cuda=device.type == "cuda")
+        logging.getLogger("torchft.manager").addFilter(self._quiet)
         manager_timeout = max(timeout, timedelta(seconds=60))
         self.manager = torchft.Manager(
             pg=pg, load_state_dict=None, state_dict=None, min_replica_size=cfg.min_replica_size,
@@ -366,8 +374,7 @@ class TorchFTReplicas:
         if self.sync_every is not None:
             self.sync_every.__exit__(None, None, None)
         self.manager.shutdown(wait=False)
-        if self._quiet is not None:
-            logging.getLogger("torchft.manager").removeFilter(self._quiet)
+        logging.getLogger("torchft.manager").removeFilter(self._quiet)
 
 
 def quiet_transport(timeout: timedelta):
