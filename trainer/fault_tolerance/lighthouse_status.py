@@ -15,7 +15,6 @@ import logging
 import re
 import socket
 import time
-import urllib.error
 import urllib.request
 
 from trainer.errors import ConfigError, PeerLost
@@ -38,6 +37,7 @@ class LighthouseLost(PeerLost):
 
 
 def unreachable(address: str, cause: object, *, during: str) -> LighthouseLost:
+    """The one line for a lighthouse that does not answer ``during`` something, naming the variable."""
     return LighthouseLost(f"the fault-tolerance lighthouse at {LIGHTHOUSE_ENV}={address} does not answer {during} "
                           f"({cause}): start it (`trainer lighthouse`) or export the address it prints, then run "
                           "the same command again")
@@ -118,9 +118,8 @@ def check_id_free(reader: StatusReader, replica_id: int, *, own: int) -> None:
             time.sleep(0.05)
     if reader.live_of_group(replica_id, "at start", more_than=own):
         raise ConfigError(f"fault_tolerance.replica_id {replica_id} is taken: another replica group with that id "
-                          f"is training with the lighthouse {reader.address}; give each group its own replica_id "
-                          "in 0 .. group_size - 1 (if that group was just killed, wait "
-                          f"{LIVENESS_WINDOW_S:g} s and run the same command again)")
+                          f"is training with the lighthouse {reader.address} (its {reader.address}/status lists "
+                          f"replica_{replica_id}:...); give each group its own replica_id in 0 .. group_size - 1")
 
 
 def wait_for_groups(reader: StatusReader, group_size: int, timeout_s: float) -> list[int]:
