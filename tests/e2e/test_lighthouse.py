@@ -1,7 +1,8 @@
 """A fault-tolerant job's lighthouse as users meet it, through `trainer lighthouse` and run_train.sh, with
 one real lighthouse and real replica groups (one process each) shared by every assertion of one job:
 
-- group 0 starts and waits for the job's other group (fault_tolerance.join_timeout_ms);
+- group 0 starts and, once its Manager is listed at the lighthouse, waits for the job's other group
+  (fault_tolerance.join_timeout_ms);
 - a copy of group 0's command (the same replica_id) stops in one line, exit 2, before it writes anything,
   and group 0 is unaffected; group 1 starts meanwhile, and both take step 1 together (group 0 recovers
   from nobody and missed no step);
@@ -19,6 +20,7 @@ import json
 import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -52,6 +54,12 @@ def start_group(dump: Path, replica_id: int, address: str, name: str, *args: str
                      stdout=out, stderr=err)
 
 
+def status_page(address: str) -> str:
+    """The lighthouse's status page, which lists each group's Manager (replica_<id>:<uuid>) once it is up."""
+    with urllib.request.urlopen(f"{address}/status", timeout=10) as page:
+        return page.read().decode()
+
+
 def records(dump: Path, replica_id: int) -> list[dict]:
     path = dump / f"replica_{replica_id}" / "metrics.jsonl"
     text = path.read_text() if path.exists() else ""
@@ -76,7 +84,7 @@ def job(tmp_path_factory):
 
         wait_for(listening, "the lighthouse to listen", timeout=60, proc=lighthouse, log=folder / "lighthouse.out")
         procs["group0"] = start_group(dump, 0, address, "group0")
-        wait_for(lambda: "waiting up to" in (folder / "group0.out").read_text(), "group 0 waiting for group 1",
+        wait_for(lambda: "replica_0:" in status_page(address), "group 0's Manager at the lighthouse",
                  proc=procs["group0"], log=folder / "group0.out")
         procs["copy"] = start_group(dump, 0, address, "copy")  # a copied job script: replica_id 0 again
         procs["group1"] = start_group(dump, 1, address, "group1", "--debug.crash_at_step", str(CRASH_STEP),
