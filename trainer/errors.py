@@ -12,7 +12,7 @@ imports nothing, so every layer can raise these without import cycles.
 | 4    | DataError: data that cannot be trained on; too many skipped documents (data.max_skipped_fraction) |
 | 5    | OutputError: the dump folder cannot be written (disk full, read-only, a file where a folder should be) |
 | 6    | another live run holds the dump folder (its run.lock; trainer/runlock.py) |
-| 7    | PeerLost: another rank or node of the job stopped or hung (a collective timed out or lost its peer, the rendezvous closed); the cause is on that rank's console |
+| 7    | PeerLost: another rank or node of the job stopped or hung (a collective timed out or lost its peer, the rendezvous closed); the cause is on that rank's console; or a fault-tolerant job's lighthouse (TORCHFT_LIGHTHOUSE) does not answer |
 | 124  | the hang watchdog stopped a run that made no progress (trainer/observability/watchdog.py; like timeout(1)) |
 | 128+N | stopped by signal N after saving a checkpoint (143: SIGTERM, 130: SIGINT; trainer/preemption.py); Ctrl-C before the training loop: one line, 130 (trainer/interrupt.py) |
 """

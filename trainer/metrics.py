@@ -190,7 +190,8 @@ def console_line(record: dict[str, Any], color: bool) -> str:
     if record.get("eta"):
         parts.append(f"{c['c']}eta {record['eta']}{c['0']}")
     if record.get("skipped"):
-        parts.append(f"{c['r']}skipped ({record.get('skip_reason')}){c['0']}")
+        reason = record.get("skip_reason")
+        parts.append(f"{c['r']}skipped{f' ({reason})' if reason else ''}{c['0']}")
     return "  ".join(parts)
 
 

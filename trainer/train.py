@@ -37,7 +37,8 @@ from trainer.checkpoint.state import TrainState
 from trainer.config import JobConfig, derive, help_text, load_config, to_toml, validate
 from trainer.errors import PeerLost, TrainerError
 from trainer.fault_tolerance.config import data_parallel, job_identity
-from trainer.fault_tolerance.replicas import build_replicas, checkpointed_loader
+from trainer.fault_tolerance.lighthouse_status import LighthouseLost
+from trainer.fault_tolerance.replicas import build_replicas, check_lighthouse, checkpointed_loader
 from trainer.data.loader import build_train_loader, build_val_loader
 from trainer.data.checks import grad_accum_steps
 from trainer.data.faults import SkipMonitor
@@ -104,6 +105,9 @@ class Trainer:
         self.dp_rank = self.dims.dp_mesh.get_local_rank()
         # The loader's degree and rank: over every replica group of a fault-tolerant job.
         self.data_dp, self.data_rank = data_parallel(config.fault_tolerance, self.dims.dp, self.dp_rank)
+        # A replica group whose lighthouse does not answer, or whose replica_id a live group has, stops
+        # here, before it writes anything.
+        self.lighthouse = check_lighthouse(config.fault_tolerance)
         self.is_logging_rank = self.rank == 0
         configure_determinism(config, self.device)
         set_compile_cache(config.compile.cache_dir)
@@ -190,7 +194,7 @@ class Trainer:
         # The other replica groups of a fault-tolerant job (torchft); a no-op for a job without them.
         self.replicas = build_replicas(self.config, self.device, model_parts=self.model_parts,
                                        optimizer=self.optimizer, state=self.state, callbacks=self.callbacks,
-                                       dp=self.dims.dp)
+                                       dp=self.dims.dp, **({"lighthouse": self.lighthouse} if ft.enable else {}))
 
     def build_metrics(self) -> None:
         config = self.config
@@ -272,7 +276,8 @@ class Trainer:
         tokens = sum(b["labels"].numel() for b in batches)
         self.state.step = step
         self.state.tokens_seen += tokens * self.dims.dp * self.replicas.groups_taking_part
-        self.state.add_skip(skip)
+        if self.replicas.committed:  # a step a replica group failed in is repeated, not skipped
+            self.state.add_skip(skip)
         self.throughput.tokens += tokens * self.dims.dp / self.world_size  # per device
         self.throughput.steps += 1
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "fingerprint": fingerprint, "skipped": skip,
@@ -417,8 +422,21 @@ class Trainer:
                 step = start_step
                 while step < config.training.steps:
                     # The quorum of a fault-tolerant job: a group that rejoined takes the live groups' step.
-                    step = self.replicas.start_step(step + 1)
-                    self.run_step(step, obs)
+                    try:
+                        step = self.replicas.start_step(step + 1)
+                    except LighthouseLost as e:
+                        with obs.checkpoint():
+                            lost = self.stop_without_lighthouse(e, step, start_step)
+                        raise lost from None
+                    try:
+                        self.run_step(step, obs)
+                    except TrainerError:
+                        raise
+                    except Exception as e:  # a semi-synchronous job's quorum is taken inside the step
+                        lost = self.replicas.lighthouse_lost(e, f"during step {step}")
+                        if lost is None:
+                            raise
+                        raise LighthouseLost(f"{lost}; step {step} was interrupted: nothing saved") from None
                     if step == start_step + 1:
                         set_train_timeout(config.comm.train_timeout_seconds)
                     signum = stopping.agreed(step) if step < config.training.steps else 0
@@ -433,6 +451,20 @@ class Trainer:
             self.replicas.close()
             self.train_loader.close()  # its prefetch thread and worker processes end with the run
         self.metrics.close()
+
+
+    def stop_without_lighthouse(self, error: LighthouseLost, step: int, start_step: int) -> LighthouseLost:
+        """The lighthouse died between two steps: ``step`` is complete and agreed by every group, so it is
+        saved (as for a preemption) before the group stops."""
+        if not self.checkpointer.enabled:
+            saved = "checkpoint.enable is false: nothing saved"
+        elif step == start_step:
+            saved = "no step trained since the start: nothing new to save"
+        elif self.checkpointer.save_for_preemption(step):
+            saved = f"checkpoint step-{step} saved in {self.checkpointer.folder}"
+        else:
+            saved = f"the checkpoint of step {step} could not be saved (see the log)"
+        return LighthouseLost(f"{error}; {saved}")
 
 
 def batch_fingerprint(batch: dict) -> int:

@@ -187,6 +187,17 @@ def test_a_killed_group_rejoins_from_a_live_group(tmp_path, nproc=2):
     assert recovery["from_step"] == loaded and recovery["step"] > stopped_at
     assert s1["fault_tolerance"]["steps_missed"] == recovery["step"] - 1 - loaded
     assert recovery["step"] in {r["step"] for r in records(dump, 1)}
+    # What the groups print: the recovery at the step it joins at (as summary.json); a step a group failed
+    # in is repeated, not counted as skipped (nor carried to the group that recovers); no torchft noise.
+    logs = [(dump.parent / f"group{g}.log").read_text(errors="replace") for g in (0, 1)]
+    assert f"it joins at step {recovery['step']} " in logs[1], logs[1][-3000:]
+    assert s0["skipped_steps"] == s1["skipped_steps"] == 0, (s0["skipped_steps"], s1["skipped_steps"])
+    assert "skipped (None)" not in logs[0]
+    if s0["fault_tolerance"]["uncommitted_steps"]:  # group 1 was killed inside a step
+        assert "skipped (not committed: a replica group failed during it; repeated)" in logs[0]
+    for text in logs:
+        assert "buffer is not writable" not in text and "Unable to reset NCCL flight recorder" not in text
+        assert "GET /checkpoint/" not in text
     # Every file verifies. Group 1's part of the stream is behind group 0's for good (it missed steps, and
     # step 1 too: group 0 began alone), which one loader state cannot say: a run without fault tolerance
     # is told so (the test without a fault resumes such a run).

@@ -207,3 +207,64 @@ def test_a_groups_checkpoints_merge_its_own_ranks_only():
     finally:
         for loader in group:
             loader.close()
+
+
+def test_the_lighthouse_status_tells_live_groups_from_dead_ones(monkeypatch):
+    """A real lighthouse (torchft's, in this process) and heartbeats under replica names, as Managers send
+    them: a live group under this group's id is refused (exit 2), a dead one's entry is not; the wait for
+    the job's groups ends when all are up, or at its timeout naming the missing ones; a lighthouse that
+    does not answer is exit 7 naming TORCHFT_LIGHTHOUSE."""
+    pytest.importorskip("torchft")
+    import threading
+    from datetime import timedelta
+
+    from torchft.coordination import LighthouseClient, LighthouseServer
+
+    from trainer.errors import PeerLost
+    from trainer.fault_tolerance import lighthouse_status as status
+
+    import time
+
+    monkeypatch.setattr(status, "LIVENESS_WINDOW_S", 0.5)
+    monkeypatch.setattr(status, "UP_WINDOW_S", 0.3)
+    server = LighthouseServer(bind="[::]:0", min_replicas=1)
+    stop = threading.Event()
+    try:
+        address = server.address()
+        client = LighthouseClient(address, connect_timeout=timedelta(seconds=5))
+        client.heartbeat("replica_1:dead")  # a group killed a moment ago: its entry stays, ageing
+
+        def beat():  # a live group 0, heartbeating as a Manager does
+            while not stop.wait(0.05):
+                client.heartbeat("replica_0:live")
+
+        thread = threading.Thread(target=beat, daemon=True)
+        thread.start()
+        time.sleep(0.4)  # older than UP_WINDOW_S
+        reader = status.StatusReader(address, 5.0)
+        assert status.wait_for_groups(reader, 2, timeout_s=0.5) == [1]  # group 1's entry is too old by then
+        with pytest.raises(ConfigError, match=rf"replica_id 0 is taken: another replica group with that id is "
+                                              rf"training with the lighthouse {address}") as e:
+            status.check_id_free(reader, 0, own=0)
+        assert e.value.exit_code == 2
+        status.check_id_free(reader, 1, own=0)  # only a dead group had id 1
+        client.heartbeat("replica_1:again")
+        status.check_id_free(reader, 1, own=1)  # ... and this group's own Manager, now listed
+        client.heartbeat("replica_1:again")
+        assert status.wait_for_groups(reader, 2, timeout_s=5) == []
+    finally:
+        stop.set()
+        server.shutdown()
+    with pytest.raises(PeerLost, match=rf"lighthouse at TORCHFT_LIGHTHOUSE={address} does not answer at start") as e:
+        status.check_id_free(status.StatusReader(address, 1.0), 0, own=0)
+    assert e.value.exit_code == 7
+
+
+def test_a_skipped_step_without_a_reason_says_skipped_alone():
+    from trainer.metrics import console_line
+
+    record = {"step": 3, "loss": float("nan"), "grad_norm": 0.0, "lr": 1e-3, "tps": 0.0, "tflops": 0.0, "mfu": None,
+              "memory": 0.0, "skipped": True}
+    assert console_line(record, False).endswith("skipped")
+    line = console_line({**record, "skip_reason": "not committed: a replica group failed during it; repeated"}, False)
+    assert line.endswith("skipped (not committed: a replica group failed during it; repeated)")

@@ -43,9 +43,23 @@ class FaultTolerance:
     process_group_timeout_ms: int = 10000
     """A collective between replica groups that takes longer than this aborts, and the group that hung is
     left out of the next quorum."""
+    quorum_timeout_ms: int = 60000
+    """torchft's quorum_timeout: how long a step's quorum may take. A lighthouse that died mid-run is found
+    after this long: the group saves a checkpoint of its last step (checkpoint.enable) and stops in one line
+    naming TORCHFT_LIGHTHOUSE (exit 7)."""
+    connect_timeout_ms: int = 60000
+    """torchft's connect_timeout: how long a connection to the lighthouse (or another group's Manager) may
+    take. A lighthouse that does not answer at start stops the group in one line naming TORCHFT_LIGHTHOUSE
+    (exit 7) before anything is written."""
+    join_timeout_ms: int = 10000
+    """At start, how long a group waits for all group_size groups to be up at the lighthouse before its
+    first step, so that groups launched together take step 1 together (as `trainer lighthouse
+    --join_timeout_ms` is how long a quorum waits for them); past it, the group starts with those that are
+    up and says which are missing. A group joining a job that is already training does not wait."""
     replica_id: int = 0
     """This replica group's id, 0 .. group_size - 1: its part of the data stream, its log folder
-    <dump_folder>/replica_<id>, its name in the lighthouse."""
+    <dump_folder>/replica_<id>, its name in the lighthouse. A group started with an id that a live group
+    of the job already has stops in one line (exit 2) before it writes or trains anything."""
     group_size: int = 0
     """The number of replica groups of the job (must be >= 1 when enabled). The data stream is split over
     group_size x the data-parallel ranks of one group."""
@@ -101,9 +115,13 @@ def check_config(config) -> None:
     if ft.semi_sync_method is not None and ft.semi_sync_method.lower() not in SEMI_SYNC_METHODS:
         raise ConfigError(f"fault_tolerance.semi_sync_method must be unset, \"local_sgd\" or \"diloco\", got "
                           f"{ft.semi_sync_method!r}")
-    for key in ("process_group_timeout_ms", "sync_steps", "num_fragments", "min_replica_size"):
+    for key in ("process_group_timeout_ms", "quorum_timeout_ms", "connect_timeout_ms", "sync_steps", "num_fragments",
+                "min_replica_size"):
         if getattr(ft, key) < 1:
             raise ConfigError(f"fault_tolerance.{key} must be >= 1, got {getattr(ft, key)}")
+    if ft.join_timeout_ms < 0:
+        raise ConfigError(f"fault_tolerance.join_timeout_ms must be >= 0 (0: do not wait for the other groups), got "
+                          f"{ft.join_timeout_ms}")
     if not 0 <= ft.fragment_sync_delay < ft.sync_steps:
         raise ConfigError(f"fault_tolerance.fragment_sync_delay must be >= 0 and < sync_steps ({ft.sync_steps}), "
                           f"got {ft.fragment_sync_delay}")

@@ -19,14 +19,17 @@ import hashlib
 import logging
 import os
 import time
+import warnings
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from trainer.data.loader import merge_states
-from trainer.errors import ConfigError
-from trainer.fault_tolerance.config import INSTALL_HINT, FaultTolerance
+from trainer.errors import ConfigError, TrainerError
+from trainer.fault_tolerance import lighthouse_status
+from trainer.fault_tolerance.config import INSTALL_HINT, LIGHTHOUSE_ENV, FaultTolerance
+from trainer.fault_tolerance.lighthouse_status import LighthouseLost, StatusReader
 
 logger = logging.getLogger("trainer")
 
@@ -36,10 +39,57 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, torch.distributed.tensor.DTensor) else t
 
 
+def _agreed(decide) -> None:
+    """Run ``decide`` (which raises a TrainerError or returns) on this group's rank 0 only and raise its
+    error on every rank of the group, so that the whole group stops with the same line."""
+    error = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            decide()
+        except TrainerError as e:
+            error = e
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise error
+
+
+def check_lighthouse(cfg: FaultTolerance) -> StatusReader | None:
+    """Before a replica group writes anything: its lighthouse answers (else exit 7 naming
+    TORCHFT_LIGHTHOUSE) and no live group of the job has its replica_id (else exit 2). Every rank of the
+    group calls it; the reader is rank 0's (None on the others)."""
+    if not cfg.enable:
+        return None
+    reader = StatusReader(os.environ[LIGHTHOUSE_ENV], cfg.connect_timeout_ms / 1000)
+    _agreed(lambda: lighthouse_status.check_id_free(reader, cfg.replica_id, own=0))
+    return reader if not dist.is_initialized() or dist.get_rank() == 0 else None
+
+
+class _TorchFTLines(logging.Filter):
+    """torchft's Manager logs a fault it survives (a group that died mid-step) with a traceback on stderr
+    (Python's last-resort handler), which reads as a bug: its line, which names the exception, goes to
+    this group's console instead, without the traceback; the group says what follows (the step not
+    committed, the groups left). Without CUDA, its warning at every new quorum that NCCL's flight recorder
+    cannot be reset is dropped: there is none."""
+
+    def __init__(self, cuda: bool):
+        super().__init__()
+        self.cuda = cuda
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if self.cuda or "Unable to reset NCCL flight recorder" not in message:
+            logger.log(record.levelno, "torchft: %s", message.splitlines()[0] if message else message)
+        return False
+
+
 class SingleGroup:
     """A job that is one replica group: nothing to agree on with anyone."""
 
     groups_taking_part = 1
+    committed = True
 
     def start_step(self, step: int) -> int:
         return step
@@ -52,6 +102,9 @@ class SingleGroup:
 
     def metrics(self) -> dict:
         return {}
+
+    def lighthouse_lost(self, error: Exception, during: str) -> None:
+        return None
 
     def summary(self) -> dict:
         return {}
@@ -67,7 +120,7 @@ class TorchFTReplicas:
     """One replica group of a fault-tolerant job (see the module's docstring)."""
 
     def __init__(self, cfg: FaultTolerance, device: torch.device, *, model_parts: list, optimizer, state,
-                 callbacks, dp: int, group_rank: int, group_world_size: int):
+                 callbacks, dp: int, group_rank: int, group_world_size: int, lighthouse: StatusReader | None = None):
         # torchft's own components log every quorum and commit at INFO; RUST_LOG=info shows them again.
         os.environ.setdefault("RUST_LOG", "warn")
         try:
@@ -83,10 +136,23 @@ class TorchFTReplicas:
         timeout = timedelta(milliseconds=cfg.process_group_timeout_ms)
         pg = (torchft.ProcessGroupGloo(timeout=timeout) if cfg.process_group == "gloo"
               else torchft.ProcessGroupNCCL(timeout=timeout))
+        self.address = os.environ[LIGHTHOUSE_ENV]
+        self._quiet = _TorchFTLines(cuda=device.type == "cuda")
+        logging.getLogger("torchft.manager").addFilter(self._quiet)
+        manager_timeout = max(timeout, timedelta(seconds=60))
         self.manager = torchft.Manager(
             pg=pg, load_state_dict=None, state_dict=None, min_replica_size=cfg.min_replica_size,
             use_async_quorum=False, replica_id=f"replica_{cfg.replica_id}", rank=group_rank,
-            world_size=group_world_size, timeout=max(timeout, timedelta(seconds=60)))
+            world_size=group_world_size, timeout=manager_timeout, checkpoint_transport=quiet_transport(manager_timeout),
+            quorum_timeout=timedelta(milliseconds=cfg.quorum_timeout_ms),
+            connect_timeout=timedelta(milliseconds=cfg.connect_timeout_ms))
+        self.lost = False  # the lighthouse stopped answering: the last quorum's rank decides who saves
+        self._last_rank: int | None = None
+        reader = lighthouse or StatusReader(self.address, cfg.connect_timeout_ms / 1000)
+        # Now that this group's Manager is listed: a group with the same id started at the same moment, and
+        # the other groups of the job, so that groups launched together take step 1 together.
+        _agreed(lambda: lighthouse_status.check_id_free(reader, cfg.replica_id, own=1))
+        _agreed(lambda: self._wait_for_groups(reader))
         self.manager.register_state_dict_fn("trainer", self._load_state_dict, self._state_dict)
         # Resumed from this group's own checkpoint: the job's step count goes on from there.
         self.semi_sync = cfg.semi_sync_method.lower() if cfg.semi_sync_method else None
@@ -107,6 +173,36 @@ class TorchFTReplicas:
         if self.semi_sync is not None:
             self.sync_every = build_semi_sync(self.semi_sync, cfg, self.manager, model_parts[0], optimizer, device)
             self.sync_every.__enter__()
+
+    def lighthouse_lost(self, error: Exception, during: str) -> LighthouseLost | None:
+        """The one line for ``error`` if the lighthouse no longer answers (None: it does; ``error`` is
+        something else)."""
+        why = lighthouse_status.reachable(self.address, self.cfg.connect_timeout_ms / 1000)
+        if why is None:
+            return None
+        return lighthouse_status.unreachable(self.address, why, during=f"{during} (after fault_tolerance."
+                                             f"quorum_timeout_ms = {self.cfg.quorum_timeout_ms}: {type(error).__name__})")
+
+    def _wait_for_groups(self, reader: StatusReader) -> None:
+        if self.cfg.join_timeout_ms == 0 or self.cfg.group_size == 1:
+            return
+        t0 = time.monotonic()
+        logger.info("fault tolerance: waiting up to %.1f s (fault_tolerance.join_timeout_ms) for the job's %d replica "
+                    "groups to be up at the lighthouse", self.cfg.join_timeout_ms / 1000, self.cfg.group_size)
+        missing = lighthouse_status.wait_for_groups(reader, self.cfg.group_size, self.cfg.join_timeout_ms / 1000)
+        waited = time.monotonic() - t0
+        if missing:
+            logger.warning("fault tolerance: replica group(s) %s not up after %.1f s (fault_tolerance.join_timeout_ms):"
+                           " starting with the groups that are; the others take the live groups' state when they "
+                           "join", ", ".join(map(str, missing)), waited)
+        else:
+            logger.info("fault tolerance: all %d replica groups are up at the lighthouse (waited %.1f s)",
+                        self.cfg.group_size, waited)
+
+    @property
+    def committed(self) -> bool:
+        """Whether the last step was applied (a step some group failed is repeated, not skipped)."""
+        return self._committed
 
     @property
     def groups_taking_part(self) -> int:
@@ -133,15 +229,27 @@ class TorchFTReplicas:
             return step
         before = self.manager.current_step()
         t0 = time.perf_counter()
-        self.manager.start_quorum()  # synchronous: a group that is behind is whole when this returns
+        try:
+            with warnings.catch_warnings():
+                # torchft's recovery builds the received tensors on a read-only buffer; _load_state_dict
+                # copies them into this group's own parameters and optimizer state, never writing to them.
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                self.manager.start_quorum()  # synchronous: a group that is behind is whole when this returns
+        except Exception as e:
+            lost = self.lighthouse_lost(e, f"for the quorum of step {before + 1}")
+            if lost is None:
+                raise
+            self.lost = True
+            raise lost from None
+        self._last_rank = self.manager.participating_rank()
         groups = self.manager.num_participants()
         now = self.manager.current_step()
         if now != before:
             took = round(time.perf_counter() - t0, 3)
             self.recoveries.append({"step": now + 1, "from_step": before, "seconds": took})
-            logger.warning("fault tolerance: recovered from a live replica group at step %d (this group was at "
-                           "step %d; %.2f s); its steps %d..%d were trained without this group", now, before, took,
-                           before + 1, now)
+            logger.warning("fault tolerance: recovered from a live replica group: this group had finished step %d, "
+                           "the live groups step %d; it joins at step %d (%.2f s), its steps %d..%d were trained "
+                           "without this group", before, now, now + 1, took, before + 1, now)
         if self._previous_groups is not None and groups < self._previous_groups:
             self.faults_survived += 1
             logger.warning("fault tolerance: %d of %d replica groups take part in step %d (%d left)", groups,
@@ -237,13 +345,16 @@ class TorchFTReplicas:
     def saves_job_checkpoint(self) -> bool:
         """Whether this group writes the job's checkpoint of the step just taken: the lowest group of the
         step's quorum (semi-synchronous, before the first synchronisation: group 0)."""
-        rank = self.manager.participating_rank()
+        rank = self._last_rank if self.lost else self.manager.participating_rank()
         return self.cfg.replica_id == 0 if rank is None else rank == 0
 
     # Records ---------------------------------------------------------------------------------------
 
     def metrics(self) -> dict:
-        return {"replica_groups": self.groups_taking_part, "committed": self._committed}
+        record = {"replica_groups": self.groups_taking_part, "committed": self._committed}
+        if not self._committed:
+            record["skip_reason"] = "not committed: a replica group failed during it; repeated"
+        return record
 
     def summary(self) -> dict:
         return {"fault_tolerance": {
@@ -263,6 +374,20 @@ class TorchFTReplicas:
         if self.sync_every is not None:
             self.sync_every.__exit__(None, None, None)
         self.manager.shutdown(wait=False)
+        logging.getLogger("torchft.manager").removeFilter(self._quiet)
+
+
+def quiet_transport(timeout: timedelta):
+    """torchft's HTTP checkpoint transport (its default: how a live group sends its state to one that
+    joins), without the request line its HTTP server writes to stderr for every transfer (a group's console
+    is for its own lines; the launcher prints a failing worker's stderr)."""
+    from torchft.checkpointing import HTTPTransport
+
+    transport = HTTPTransport(timeout=timeout, num_chunks=0)
+    server = getattr(transport, "_server", None)  # torchft 0.2: the transport's http.server instance
+    if server is not None:
+        server.RequestHandlerClass.log_message = lambda *args, **kwargs: None
+    return transport
 
 
 def model_fragments(model, cfg: FaultTolerance) -> list:
