@@ -179,6 +179,26 @@ def pipeline_loss_disabled(schedule: Any) -> Iterator[None]:
 
 
 # --------------------------------------------------------------------------------------------------
+# torchft
+# --------------------------------------------------------------------------------------------------
+
+
+def quiet_torchft_transport(timeout):
+    """torchft's HTTP checkpoint transport (its default: how a live group sends its state to a group that
+    joins), without the request line its HTTP server writes to stderr for every transfer (a group's console
+    is for its own lines; the launcher prints a failing worker's stderr). torchft exposes no option for it:
+    the transport's server is its private ``_server``. Checked: torchft 0.2.0; a release without it keeps
+    torchft's request lines."""
+    from torchft.checkpointing import HTTPTransport
+
+    transport = HTTPTransport(timeout=timeout, num_chunks=0)
+    server = getattr(transport, "_server", None)
+    if server is not None:
+        server.RequestHandlerClass.log_message = lambda *args, **kwargs: None
+    return transport
+
+
+# --------------------------------------------------------------------------------------------------
 # Benchmarks
 # --------------------------------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from trainer import torch_compat
 from trainer.data.loader import merge_states
 from trainer.errors import ConfigError, TrainerError
 from trainer.fault_tolerance import lighthouse_status
@@ -143,7 +144,8 @@ class TorchFTReplicas:
         self.manager = torchft.Manager(
             pg=pg, load_state_dict=None, state_dict=None, min_replica_size=cfg.min_replica_size,
             use_async_quorum=False, replica_id=f"replica_{cfg.replica_id}", rank=group_rank,
-            world_size=group_world_size, timeout=manager_timeout, checkpoint_transport=quiet_transport(manager_timeout),
+            world_size=group_world_size, timeout=manager_timeout,
+            checkpoint_transport=torch_compat.quiet_torchft_transport(manager_timeout),
             quorum_timeout=timedelta(milliseconds=cfg.quorum_timeout_ms),
             connect_timeout=timedelta(milliseconds=cfg.connect_timeout_ms))
         self.lost = False  # the lighthouse stopped answering: the last quorum's rank decides who saves
@@ -375,19 +377,6 @@ class TorchFTReplicas:
             self.sync_every.__exit__(None, None, None)
         self.manager.shutdown(wait=False)
         logging.getLogger("torchft.manager").removeFilter(self._quiet)
-
-
-def quiet_transport(timeout: timedelta):
-    """torchft's HTTP checkpoint transport (its default: how a live group sends its state to one that
-    joins), without the request line its HTTP server writes to stderr for every transfer (a group's console
-    is for its own lines; the launcher prints a failing worker's stderr)."""
-    from torchft.checkpointing import HTTPTransport
-
-    transport = HTTPTransport(timeout=timeout, num_chunks=0)
-    server = getattr(transport, "_server", None)  # torchft 0.2: the transport's http.server instance
-    if server is not None:
-        server.RequestHandlerClass.log_message = lambda *args, **kwargs: None
-    return transport
 
 
 def model_fragments(model, cfg: FaultTolerance) -> list:
