@@ -37,7 +37,7 @@ from trainer.checkpoint.state import TrainState
 from trainer.config import JobConfig, derive, help_text, load_config, to_toml, validate
 from trainer.errors import PeerLost, TrainerError
 from trainer.fault_tolerance.config import data_parallel, job_identity
-from trainer.fault_tolerance.lighthouse_status import LighthouseLost
+from trainer.fault_tolerance.lighthouse_status import QuorumLost
 from trainer.fault_tolerance.replicas import build_replicas, check_lighthouse, checkpointed_loader
 from trainer.data.loader import build_train_loader, build_val_loader
 from trainer.data.checks import grad_accum_steps
@@ -424,9 +424,9 @@ class Trainer:
                     # The quorum of a fault-tolerant job: a group that rejoined takes the live groups' step.
                     try:
                         step = self.replicas.start_step(step + 1)
-                    except LighthouseLost as e:
+                    except QuorumLost as e:
                         with obs.checkpoint():
-                            lost = self.stop_without_lighthouse(e, step, start_step)
+                            lost = self.stop_without_quorum(e, step, start_step)
                         raise lost from None
                     try:
                         self.run_step(step, obs)
@@ -436,7 +436,7 @@ class Trainer:
                         lost = self.replicas.lighthouse_lost(e, f"during step {step}")
                         if lost is None:
                             raise
-                        raise LighthouseLost(f"{lost}; step {step} was interrupted: nothing saved") from None
+                        raise type(lost)(f"{lost}; step {step} was interrupted: nothing saved") from None
                     if step == start_step + 1:
                         set_train_timeout(config.comm.train_timeout_seconds)
                     signum = stopping.agreed(step) if step < config.training.steps else 0
@@ -453,9 +453,10 @@ class Trainer:
         self.metrics.close()
 
 
-    def stop_without_lighthouse(self, error: LighthouseLost, step: int, start_step: int) -> LighthouseLost:
-        """The lighthouse died between two steps: ``step`` is complete and agreed by every group, so it is
-        saved (as for a preemption) before the group stops."""
+    def stop_without_quorum(self, error: QuorumLost, step: int, start_step: int) -> QuorumLost:
+        """No quorum can form any more (the lighthouse died, or the other groups did not come) between two
+        steps: ``step`` is complete and agreed by every group, so it is saved (as for a preemption) before
+        the group stops."""
         if not self.checkpointer.enabled:
             saved = "checkpoint.enable is false: nothing saved"
         elif step == start_step:
@@ -464,7 +465,7 @@ class Trainer:
             saved = f"checkpoint step-{step} saved in {self.checkpointer.folder}"
         else:
             saved = f"the checkpoint of step {step} could not be saved (see the log)"
-        return LighthouseLost(f"{error}; {saved}")
+        return type(error)(f"{error}; {saved}")
 
 
 def batch_fingerprint(batch: dict) -> int:

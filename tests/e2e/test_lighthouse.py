@@ -176,6 +176,27 @@ def test_an_unreachable_lighthouse_at_start_is_one_line(tmp_path, monkeypatch):
     assert "Traceback" not in out and not (tmp_path / "job" / "replica_1" / "config.toml").exists()
 
 
+def test_a_quorum_the_other_groups_never_join_is_one_line(tmp_path, monkeypatch):
+    """The lighthouse answers but wants two groups and only this one comes (the other crashed at start):
+    after fault_tolerance.quorum_timeout_ms, exit 7 in one line naming the key and the groups it hears from,
+    instead of torchft's TimeoutError traceback."""
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind="[::]:0", min_replicas=2)
+    try:
+        monkeypatch.setenv("TORCHFT_LIGHTHOUSE", server.address())
+        monkeypatch.setenv("RUST_LOG", "warn")  # what a fault-tolerant run sets for its process (torchft's logs)
+        rc, out = train_in_process(tmp_path / "job", *FAST, "--fault_tolerance.enable", "--fault_tolerance.group_size",
+                                   "2", "--fault_tolerance.replica_id", "0", "--fault_tolerance.join_timeout_ms", "300",
+                                   "--fault_tolerance.quorum_timeout_ms", "1500", monkeypatch=monkeypatch)
+    finally:
+        server.shutdown()
+    assert rc == 7, out[-3000:]
+    assert ("no quorum of the job's replica groups formed for the quorum of step 1 within "
+            "fault_tolerance.quorum_timeout_ms = 1500") in out and "hears from replica_0" in out, out[-3000:]
+    assert out.rstrip().endswith("checkpoint.enable is false: nothing saved") and "Traceback" not in out, out[-3000:]
+
+
 def test_trainer_lighthouse_on_a_port_in_use_is_one_line_before_the_address():
     with socket.socket() as taken:
         taken.bind(("0.0.0.0", 0))

@@ -32,7 +32,11 @@ LIVENESS_WINDOW_S = 1.0
 UP_WINDOW_S = 2.0
 
 
-class LighthouseLost(PeerLost):
+class QuorumLost(PeerLost):
+    """No quorum of the job's replica groups could be formed: the group saves what it may and stops."""
+
+
+class LighthouseLost(QuorumLost):
     """The lighthouse at TORCHFT_LIGHTHOUSE does not answer (never started, wrong address, or it died)."""
 
 
@@ -41,6 +45,19 @@ def unreachable(address: str, cause: object, *, during: str) -> LighthouseLost:
     return LighthouseLost(f"the fault-tolerance lighthouse at {LIGHTHOUSE_ENV}={address} does not answer {during} "
                           f"({cause}): start it (`trainer lighthouse`) or export the address it prints, then run "
                           "the same command again")
+
+
+def no_quorum(address: str, timeout_ms: int, during: str, timeout_s: float) -> QuorumLost:
+    """The one line for a quorum that timed out while the lighthouse answers: the groups it hears from."""
+    try:
+        beats = read_heartbeats(address, timeout_s) or {}
+    except (OSError, socket.timeout, ValueError):
+        beats = {}
+    up = sorted({name.split(":")[0] for name, age in beats.items() if age <= UP_WINDOW_S})
+    return QuorumLost(f"no quorum of the job's replica groups formed {during} within fault_tolerance."
+                      f"quorum_timeout_ms = {timeout_ms} (the lighthouse at {LIGHTHOUSE_ENV}={address} hears "
+                      f"from {', '.join(up) or 'no group'}; it waits for its --min_replicas): start the missing "
+                      "groups (a group that stopped has the cause on its console), or raise the timeout")
 
 
 def read_heartbeats(address: str, timeout_s: float) -> dict[str, float] | None:

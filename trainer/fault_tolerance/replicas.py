@@ -30,7 +30,7 @@ from trainer.data.loader import merge_states
 from trainer.errors import ConfigError, TrainerError
 from trainer.fault_tolerance import lighthouse_status
 from trainer.fault_tolerance.config import INSTALL_HINT, LIGHTHOUSE_ENV, FaultTolerance
-from trainer.fault_tolerance.lighthouse_status import LighthouseLost, StatusReader
+from trainer.fault_tolerance.lighthouse_status import QuorumLost, StatusReader
 
 logger = logging.getLogger("trainer")
 
@@ -148,7 +148,7 @@ class TorchFTReplicas:
             checkpoint_transport=torch_compat.quiet_torchft_transport(manager_timeout),
             quorum_timeout=timedelta(milliseconds=cfg.quorum_timeout_ms),
             connect_timeout=timedelta(milliseconds=cfg.connect_timeout_ms))
-        self.lost = False  # the lighthouse stopped answering: the last quorum's rank decides who saves
+        self.lost = False  # no quorum can form any more: the last quorum's rank decides who saves
         self._last_rank: int | None = None
         reader = lighthouse or StatusReader(self.address, cfg.connect_timeout_ms / 1000)
         # Now that this group's Manager is listed: a group with the same id started at the same moment, and
@@ -176,11 +176,16 @@ class TorchFTReplicas:
             self.sync_every = build_semi_sync(self.semi_sync, cfg, self.manager, model_parts[0], optimizer, device)
             self.sync_every.__enter__()
 
-    def lighthouse_lost(self, error: Exception, during: str) -> LighthouseLost | None:
-        """The one line for ``error`` if the lighthouse no longer answers (None: it does; ``error`` is
-        something else)."""
+    def lighthouse_lost(self, error: Exception, during: str) -> QuorumLost | None:
+        """The one line for ``error`` if no quorum can form: the lighthouse no longer answers, or it does but
+        torchft's quorum request timed out (the other groups did not come); None: ``error`` is something
+        else."""
         why = lighthouse_status.reachable(self.address, self.cfg.connect_timeout_ms / 1000)
         if why is None:
+            # torchft raises the quorum's timeout as a TimeoutError (its Rust client's "Timeout expired")
+            if isinstance(error, TimeoutError) or "Timeout expired" in str(error):
+                return lighthouse_status.no_quorum(self.address, self.cfg.quorum_timeout_ms, during,
+                                                   self.cfg.connect_timeout_ms / 1000)
             return None
         return lighthouse_status.unreachable(self.address, why, during=f"{during} (after fault_tolerance."
                                              f"quorum_timeout_ms = {self.cfg.quorum_timeout_ms}: {type(error).__name__})")
