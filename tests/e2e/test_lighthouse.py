@@ -185,7 +185,6 @@ def test_a_quorum_the_other_groups_never_join_is_one_line(tmp_path, monkeypatch)
     server = LighthouseServer(bind="[::]:0", min_replicas=2)
     try:
         monkeypatch.setenv("TORCHFT_LIGHTHOUSE", server.address())
-        monkeypatch.setenv("RUST_LOG", "warn")  # what a fault-tolerant run sets for its process (torchft's logs)
         rc, out = train_in_process(tmp_path / "job", *FAST, "--fault_tolerance.enable", "--fault_tolerance.group_size",
                                    "2", "--fault_tolerance.replica_id", "0", "--fault_tolerance.join_timeout_ms", "300",
                                    "--fault_tolerance.quorum_timeout_ms", "1500", monkeypatch=monkeypatch)

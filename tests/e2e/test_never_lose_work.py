@@ -65,6 +65,13 @@ def wait_for_step(dump: Path, step: int, proc: subprocess.Popen, timeout: float 
 # the launcher, this one only has to be the same training).
 STRAIGHT = spec("never_lose_work_straight", 2, *TINY, "--training.steps", str(STEPS), "--checkpoint.interval", "5",
                 fast=False, lane="never_lose_work")  # a start of its own: this file's tests begin by reading it
+# The default checkpoint settings (only the last step's save), 10 steps and then continued to 20: batched runs
+# too (resuming is the trainer's; the launcher adds nothing to it), the first run's final export copied aside
+# before the second starts.
+FIRST_10 = spec("never_lose_work_first_10", 2, *TINY, "--training.steps", "10", fast=False, lane="never_lose_work")
+TO_20 = spec("never_lose_work_to_20", 2, *TINY, "--training.steps", str(STEPS), fast=False, lane="never_lose_work",
+             after=(FIRST_10,), dump=f"{{root}}/{FIRST_10}",
+             copy=((f"{{root}}/{FIRST_10}/checkpoint/final-step-10", "{root}/first_final_step_10"),))
 pytestmark = [pytest.mark.slow, pytest.mark.runs(STRAIGHT)]
 
 
@@ -170,19 +177,18 @@ def test_kill_9_of_agent_leaves_no_worker(tmp_path):
         kill_tree(proc)
 
 
-def test_train_10_then_continue_to_20(straight, tmp_path):
+@pytest.mark.runs(TO_20)
+def test_train_10_then_continue_to_20(straight, batches):
     """The default checkpoint settings (only the last step's save): the continued run resumes exactly, the
     first run's final export stays, and both runs match the reference."""
-    dump = tmp_path / "run"
-    train(dump, "--training.steps", "10")
-    first_final = dump / "checkpoint" / "final-step-10"
-    marker = json.loads((first_final / "checkpoint.json").read_text())
+    run = batches.get(TO_20)
+    first_final = run.dump / "checkpoint" / "final-step-10"
+    marker = json.loads((run.dump.parent / "first_final_step_10" / "checkpoint.json").read_text())
     assert marker["kind"] == "model_only"
-    proc = train(dump, "--training.steps", str(STEPS))
-    assert "step-10 loaded" in output(proc)
+    assert "step-10 loaded" in run.log
     assert json.loads((first_final / "checkpoint.json").read_text()) == marker
-    assert (dump / "checkpoint" / "final-step-20").is_dir() and (dump / "checkpoint" / "step-20").is_dir()
-    got, want = losses(dump), losses(straight)
+    assert (run.dump / "checkpoint" / "final-step-20").is_dir() and (run.dump / "checkpoint" / "step-20").is_dir()
+    got, want = losses(run.dump), losses(straight)
     assert [got[s] for s in range(1, STEPS + 1)] == [want[s] for s in range(1, STEPS + 1)]
 
 

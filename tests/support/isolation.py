@@ -375,6 +375,8 @@ ENTRY_POINT_ENV = {
     "CUBLAS_WORKSPACE_CONFIG",  # debug.deterministic
     "TORCHINDUCTOR_CACHE_DIR",  # compile.cache_dir
     "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",  # a default process group of one, outside torchrun
+    "HF_XET_HIGH_PERFORMANCE",  # importing lm_eval sets it (evaluation: trainer eval, [eval]), once per process
+    "RUST_LOG",  # a fault-tolerant run quiets torchft's own logs
 }
 
 
