@@ -53,6 +53,13 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, torch.distributed.tensor.DTensor) else t
 
 
+def model_kwargs(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The batch's inputs to the model besides the tokens: the document positions when the loader emits them
+    (block_causal attention needs them; a causal model ignores them)."""
+    positions = batch.get("positions")
+    return {} if positions is None else {"positions": positions.to(device, non_blocking=True)}
+
+
 def forward_backward(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], *, device: torch.device,
                      autocast, parallel_loss: bool, loss_fn: Callable = loss_fn, extra_loss: ExtraLoss | None = None,
                      mark: Callable = record_function) -> torch.Tensor:
@@ -67,7 +74,7 @@ def forward_backward(model: torch.nn.Module, batches: list[dict[str, torch.Tenso
         inputs = batch["input"].to(device, non_blocking=True)
         labels = batch["labels"].to(device, non_blocking=True)
         with mark("forward"), autocast:
-            logits = model(inputs)
+            logits = model(inputs, **model_kwargs(batch, device))
         # Loss parallel needs backward inside its context too.
         with loss_parallel(parallel_loss):
             with mark("loss"):

@@ -361,7 +361,7 @@ class Trainer:
             inputs = batch["input"].to(self.device)
             labels = batch["labels"].to(self.device)
             with self.autocast:
-                logits = self.model(inputs)
+                logits = self.model(inputs, **steps.model_kwargs(batch, self.device))
             with steps.loss_parallel(self.parallel_loss):
                 total += steps.plain(self.loss_fn(logits, labels))
             count += labels.numel()

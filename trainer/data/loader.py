@@ -176,9 +176,16 @@ def build_plan(config, tokenizer, specs: list[SourceSpec], weights: list[float],
         sources=sources, weights=list(weights), tokenizer=tokenizer, seq_len=int(seq_len or config.training.seq_len),
         separator=separator, separator_id=int(sep_id), strip_ids=strip, num_shards=num_shards, seed=seed,
         shuffle=shuffle, shuffle_window=d.shuffle_window, max_document_tokens=d.max_document_tokens,
-        long_document_windows=d.long_document_windows, positions=d.document_positions, debug=d.debug_doc_ids,
+        long_document_windows=d.long_document_windows, positions=d.document_positions or block_causal(config),
+        debug=d.debug_doc_ids,
         max_epochs=max_epochs, append_eos=d.append_eos, eos_id=tokenizer.eos_id,
     )
+
+
+def block_causal(config) -> bool:
+    """Attention limited to each document (model.attn_mask_type): the batches then carry document positions."""
+    model = getattr(config, "model", None)
+    return getattr(model, "attn_mask_type", "causal") == "block_causal"
 
 
 def model_vocab(config, tokenizer) -> int:

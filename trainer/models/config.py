@@ -79,6 +79,17 @@ class Model:
     max_seq_len: int = -1
     """Context length the model is meant for (exported as max_position_embeddings). -1: the flavor's. The
     RoPE table itself is built for training.seq_len."""
+    attn_mask_type: Literal["causal", "block_causal"] = "causal"
+    """Which earlier tokens a token attends to (torchtitan's model argument): causal, every earlier token of
+    its sequence, across the documents packed into it; block_causal, only the earlier tokens of its own
+    document (the loader then emits document positions for every source kind; a document carried over from
+    the previous sequence is its own document there). Evaluation, generation and export are unaffected (one
+    document per request). Kernels: SDPA with a mask on CPU, compiled FlexAttention on CUDA
+    (docs/data.md, "Packing and per-document attention")."""
+    rope_per_document: bool = False
+    """block_causal only: RoPE positions restart at 0 at every document (and at a sequence that starts inside
+    a document), so a packed document gets the logits it gets alone. False (torchtitan's behaviour): positions
+    run 0 .. seq_len-1 along the packed sequence."""
     converters: list[str] = field(default_factory=list)
     """Model transformations applied before parallelization, e.g. ["quantize.linear.float8"]."""
     print_after_conversion: bool = False
@@ -167,6 +178,7 @@ def config_model_args(config) -> LlamaModelArgs:
     if "ffn_dim" not in overrides and ("multiple_of" in overrides or "ffn_dim_multiplier" in overrides):
         overrides["ffn_dim"] = None  # the rule asked for replaces a flavor's explicit size
     overrides["rope_scaling"] = _rope_scaling(m, base.rope_scaling)
+    overrides.update(attn_mask_type=m.attn_mask_type, rope_per_document=m.rope_per_document)
     try:
         return dataclasses.replace(base, **overrides)
     except ValueError as e:
@@ -255,8 +267,17 @@ def _missing_tokenizer(m) -> str:
 
 
 def check_config(config) -> None:
-    """The flavor and the [model] shape keys describe a valid architecture."""
+    """The flavor and the [model] shape keys describe a valid architecture; per-document attention's keys
+    fit together and with the layout."""
     config_model_args(config)
+    m = config.model
+    if m.rope_per_document and m.attn_mask_type != "block_causal":
+        raise ConfigError("model.rope_per_document restarts RoPE at each document of block_causal attention: set "
+                          "model.attn_mask_type = \"block_causal\" too, or drop it")
+    if m.attn_mask_type == "block_causal" and config.parallelism.pipeline_parallel_degree > 1:
+        raise ConfigError("model.attn_mask_type = \"block_causal\" does not run under pipeline parallelism yet (the "
+                          "later stages do not receive the document positions): set "
+                          "parallelism.pipeline_parallel_degree = 1 or use attn_mask_type = \"causal\"")
 
 
 def check_paths(config) -> None:

@@ -52,6 +52,11 @@ class LlamaModelArgs:
     # Length of the precomputed RoPE table; a trainer may lower it to its seq_len.
     max_seq_len: int = 4096
     tie_word_embeddings: bool = False
+    # "causal": every earlier token of the sequence; "block_causal": only those of the token's own document
+    # (document positions passed to ``Transformer.forward``). torchtitan's argument name and values.
+    attn_mask_type: str = "causal"
+    # block_causal only: RoPE positions restart at every document (torchtitan: they do not).
+    rope_per_document: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # e.g. coming from a TOML/JSON config
@@ -73,6 +78,8 @@ class LlamaModelArgs:
             raise ValueError(f"ffn_dim must be positive, got {self.ffn_dim}")
         if self.max_seq_len <= 0:
             raise ValueError(f"max_seq_len must be positive, got {self.max_seq_len}")
+        if self.attn_mask_type not in ("causal", "block_causal"):
+            raise ValueError(f"attn_mask_type must be causal or block_causal, got {self.attn_mask_type!r}")
         if self.vocab_size == 0 or self.vocab_size < -1:
             raise ValueError(f"vocab_size must be positive or -1 (from tokenizer), got {self.vocab_size}")
 

@@ -19,13 +19,13 @@ each pair of ``x`` as complex numbers (one multiply), which is what Llama's refe
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from trainer.models.attention import attention, document_mask
 
 from .args import LlamaModelArgs, RopeScaling
 from .flavors import get_llama_args
@@ -172,19 +172,6 @@ class KVCache(nn.Module):
         return self.k, self.v
 
 
-# On GPUs, the fastest fused attention first (as torchtitan orders them); math only as the last resort.
-_GPU_SDPA_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                   SDPBackend.MATH]
-
-
-def sdpa_backends(q: torch.Tensor):
-    """The SDPA backend preference for ``q``'s device: cuDNN, flash, memory-efficient, math on CUDA; the
-    default elsewhere (on CPU torch picks its flash kernel itself)."""
-    if q.is_cuda:
-        return sdpa_kernel(_GPU_SDPA_ORDER, set_priority=True)
-    return contextlib.nullcontext()
-
-
 class Attention(nn.Module):
     """Causal multi-head / grouped-query self-attention with RoPE.
 
@@ -213,9 +200,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, input_pos: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal self-attention over ``x`` (training: ``rope_cache`` is the whole table); with ``input_pos``
-        the keys/values also go to ``kv_cache`` and the queries attend over the cache under ``mask``
-        (``rope_cache`` then holds the rows for those positions; see ``Transformer.forward``)."""
+        """Causal self-attention over ``x`` (training: ``rope_cache`` is the whole table, or each token's rows
+        when RoPE restarts per document), limited to each document by a ``DocumentMask`` (``block_causal``);
+        with ``input_pos`` the keys/values also go to ``kv_cache`` and the queries attend over the cache
+        under ``mask`` (``rope_cache`` then holds the rows for those positions; see ``Transformer.forward``)."""
         bsz, seqlen, _ = x.shape
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
@@ -226,13 +214,9 @@ class Attention(nn.Module):
         if input_pos is not None:
             k, v = self.kv_cache.update(input_pos, k, v)
 
-        # [batch, heads, seq, head_dim]. With fewer key/value heads, query head h attends with kv head
-        # h // (heads / kv heads) (Meta's repeat_kv ordering), which SDPA's enable_gqa does without
-        # materialising (and saving for backward) repeated copies of k and v.
+        # [batch, heads, seq, head_dim]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        with sdpa_backends(q):
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                                 enable_gqa=q.shape[1] != k.shape[1])
+        out = attention(q, k, v, mask)
         out = out.transpose(1, 2).reshape(bsz, seqlen, -1)
         return self.wo(out)
 
@@ -423,8 +407,14 @@ class Transformer(nn.Module):
         mask = (slots <= input_pos[..., None]).unsqueeze(-3)  # [(batch,) 1, seq, slots]: one mask for all heads
         return self.rope_cache[input_pos], mask
 
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[B, S, vocab]`` for ``tokens`` ``[B, S]`` at positions ``0 .. S-1`` (training).
+
+        ``positions`` (``[B, S]``, the loader's document positions: 0 at each document start) limit
+        attention to each document when the model's ``attn_mask_type`` is ``block_causal`` (and restart
+        RoPE there with ``rope_per_document``); a ``causal`` model ignores them, and without them a
+        ``block_causal`` model sees one document per sequence (evaluation, generation).
 
         With ``input_pos`` (``[S]``, or ``[B, S]`` when each sequence is at its own position) the tokens sit
         at those positions of the KV cache set up by ``setup_kv_cache``: their keys/values are stored there
@@ -439,6 +429,10 @@ class Transformer(nn.Module):
                     f"sequence length {seqlen} exceeds max_seq_len {self.rope_cache.shape[0]}"
                 )
             rope, mask = self.rope_cache, None
+            if positions is not None and self.args.attn_mask_type == "block_causal":
+                mask = document_mask(positions, rope_restart=self.args.rope_per_document)
+                if mask.rope_positions is not None:
+                    rope = self.rope_cache[mask.rope_positions]  # [B, S, head_dim // 2, 2]: each token's rows
         else:
             rope, mask = self._cached_inputs(input_pos)
         for layer in self.layers.values():
