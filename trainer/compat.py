@@ -127,10 +127,6 @@ def check(config) -> None:
     for (key, value), why in REFUSED_VALUES.items():
         if _get(config, key) == value:
             raise ConfigError(f"{key} = {json.dumps(value)} is not supported: {why}")
-    flavor = config.model.flavor
-    if flavor.endswith(("_flex", "_flex_attn", "_varlen", "_varlen_attn")):
-        raise ConfigError(f"model.flavor = {flavor!r} is not supported: torchtitan's flex/varlen variants use "
-                          f"document-masked attention, which is not implemented; use {flavor.split('_')[0]!r}")
     for c in config.model.converters:
         if c in REFUSED_CONVERTERS:
             raise ConfigError(f"model.converters: {c!r} is not supported: {REFUSED_CONVERTERS[c]}")
@@ -155,10 +151,23 @@ def _check_loader_workers(config) -> None:
                           "unset")
 
 
+# torchtitan's flavors whose attention is limited to each document (its flex and varlen attention types).
+_BLOCK_CAUSAL_SUFFIXES = ("_flex_attn", "_varlen_attn", "_flex", "_varlen")
+
+
 def resolve(config) -> None:
     """Map torchtitan's names onto this trainer's, in place (called once, right after parsing)."""
     explicit = config.explicitly_set
     m = config.model
+    # torchtitan's document-masked flavors ("debugmodel_flex_attn", "8B_varlen", ...) are its base flavor
+    # with attn_mask_type block_causal (the kernel is this trainer's choice: docs/data.md); an explicit
+    # model.attn_mask_type wins.
+    for suffix in _BLOCK_CAUSAL_SUFFIXES:
+        if m.flavor.endswith(suffix):
+            m.flavor = m.flavor[:-len(suffix)]
+            if not explicit("model.attn_mask_type"):
+                m.attn_mask_type = "block_causal"
+            break
     # torchtitan's flavor names ("8B"): every consumer of model.flavor then sees the one table's name.
     m.flavor = TORCHTITAN_FLAVORS.get(m.name, {}).get(m.flavor, m.flavor)
     # torchtitan reads the tokenizer from hf_assets_path; model.tokenizer_path, when given, wins.

@@ -62,7 +62,8 @@ def cases(tmp):
          "parallelism.context_parallel_degree = 2 is not supported"),
         ("fault tolerance", {}, ["--fault_tolerance.enable"], 2, "fault_tolerance.group_size must be the number of "
                                                                  "replica groups"),
-        ("flex flavor", {}, ["--model.flavor", "8B_flex"], 2, "document-masked attention"),
+        ("RoPE restart without block_causal", {}, ["--model.rope_per_document"], 2,
+         'set model.attn_mask_type = "block_causal" too'),
         ("layout", {}, ["--parallelism.tensor_parallel_degree", "2"], 2, "world size 1"),
         ("node rank", {"NNODES": "2", "NODE_RANK": "2"}, [], 2, "NODE_RANK=2 must be in [0, NNODES=2)"),
         ("torchtitan 405B TOML on one process", {"CONFIG_FILE": str(ASSETS / "llama3_405b.toml")}, [], 2,

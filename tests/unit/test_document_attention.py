@@ -84,6 +84,7 @@ def test_one_document_per_sequence_is_causal_and_packed_documents_are_not():
     assert abs(differs.item()) > 1e-4
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_flex_block_mask_attends_as_the_sdpa_mask():
     """The CUDA kernel's block mask, built from the same positions, gives SDPA's result (forward only:
     FlexAttention has no CPU backward)."""
@@ -155,6 +156,15 @@ def test_rules_are_one_line(tmp_path):
     with pytest.raises(ConfigError, match="pipeline_parallel_degree = 1"):
         make_config(**{"model.attn_mask_type": "block_causal", "parallelism.pipeline_parallel_degree": 2,
                        "parallelism.pipeline_parallel_schedule": "1F1B"})
+
+
+def test_torchtitans_document_masked_flavors_are_their_base_with_block_causal():
+    for flavor, base in (("debugmodel_flex_attn", "debugmodel"), ("debugmodel_varlen_attn", "debugmodel"),
+                         ("8B_flex", "llama3_8b")):
+        m = make_config(**{"model.name": "llama3", "model.flavor": flavor}).model
+        assert (m.flavor, m.attn_mask_type) == (base, "block_causal")
+    explicit = make_config(**{"model.flavor": "debugmodel_flex_attn", "model.attn_mask_type": "causal"}).model
+    assert (explicit.flavor, explicit.attn_mask_type) == ("debugmodel", "causal")
 
 
 def test_a_short_block_causal_run_trains_and_differs_from_causal(tmp_path, monkeypatch):
