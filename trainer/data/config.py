@@ -41,8 +41,8 @@ class Data:
     post-processor): eos when they add only EOS, else bos, or eos for a tokenizer without BOS (GPT-2's
     <|endoftext|>). Exports and evaluation follow it (docs/export_eval.md)."""
     document_positions: bool = False
-    """Also emit "positions": each token's position inside its document (0 at every document start), so
-    attention can be limited to the document where the backend supports it."""
+    """Also emit "positions": each token's position inside its document (0 at every document start).
+    model.attn_mask_type = "block_causal" turns this on and limits attention to each document with them."""
     shuffle: bool = True
     """Shuffle the order of files and of documents (within windows of shuffle_window documents) every epoch."""
     shuffle_window: int = 1024
