@@ -29,8 +29,6 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-ATTN_MASK_TYPES = ("causal", "block_causal")
-
 # On GPUs, the fastest fused attention first (as torchtitan orders them); math only as the last resort.
 _GPU_SDPA_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                    SDPBackend.MATH]
