@@ -89,14 +89,14 @@ class PipelineLoss:
     """The loss a pipeline schedule calls on each micro-batch its last stage finishes: normalised by the
     rank's tokens in the whole step (``tokens_per_rank``, set before each step), plus the extra terms. With
     a ``scale`` (float16 training's loss scale, set before each step) the schedule's backward runs on the
-    scaled loss, and ``unscaled`` keeps each micro-batch's loss as it was."""
+    scaled loss, and ``unscaled`` pairs each loss returned with the loss as it was (:meth:`unscaled_of`)."""
 
     def __init__(self, loss_fn: Callable = loss_fn, extra_loss: ExtraLoss | None = None):
         self.loss_fn = loss_fn
         self.extra_loss = extra_loss
         self.tokens_per_rank = 0
         self.scale: torch.Tensor | None = None
-        self.unscaled: list[torch.Tensor] = []
+        self.unscaled: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         loss = self.loss_fn(logits, labels) / self.tokens_per_rank
@@ -104,8 +104,15 @@ class PipelineLoss:
             loss = self.extra_loss(logits, loss, self.tokens_per_rank)
         if self.scale is None:
             return loss
-        self.unscaled.append(loss.detach())
-        return loss * self.scale
+        scaled = loss * self.scale
+        self.unscaled.append((scaled, loss.detach()))
+        return scaled
+
+    def unscaled_of(self, scaled: torch.Tensor) -> torch.Tensor:
+        """The loss before scaling of a loss this returned. By identity: the schedule hands back the very
+        tensors, and may call the loss more often than it has micro-batches (torch >= 2.13 infers the
+        backward's shapes by calling it once, on the first step)."""
+        return next(kept for out, kept in self.unscaled if out is scaled)
 
 
 def forward_backward_pipeline(schedule, batches: list[dict[str, torch.Tensor]], *, pipeline_loss: PipelineLoss,
@@ -127,8 +134,8 @@ def forward_backward_pipeline(schedule, batches: list[dict[str, torch.Tensor]], 
         pipeline_loss.unscaled = []
         with record_function("forward_backward"), autocast, loss_parallel(parallel_loss):
             schedule.step(*args, **kwargs, return_outputs=False)
-        for loss in (losses if loss_scale is None else pipeline_loss.unscaled):
-            total += plain(loss.detach())
+        for loss in losses:
+            total += plain(loss.detach() if loss_scale is None else pipeline_loss.unscaled_of(loss))
     pipeline_loss.unscaled = []
     return total
 

@@ -79,8 +79,9 @@ def test_pipeline_loss_runs_backward_on_the_scaled_loss_and_keeps_the_loss():
     pl.tokens_per_rank = 4
     plain = pl(logits, labels)
     pl.scale = torch.tensor(8.0)
+    pl(torch.randn(1, 4, 8), labels)  # as torch's shape inference calls it, on the first step
     scaled = pl(logits, labels)
-    assert torch.equal(scaled, plain * 8.0) and torch.equal(pl.unscaled[0], loss_fn(logits, labels) / 4)
+    assert torch.equal(scaled, plain * 8.0) and torch.equal(pl.unscaled_of(scaled), loss_fn(logits, labels) / 4)
 
 
 # ---------------------------------------------------------------------------------------------------
