@@ -72,7 +72,6 @@ SECTION_DOC = {"optimizer": "AdamW settings.", "lr_scheduler": "Learning-rate wa
                "training.loss_scale": "Dynamic loss scaling of float16 training (see docs/stability.md)."}
 
 
-
 def check_config(config) -> None:
     o, s = config.optimizer, config.lr_scheduler
     if o.weight_decay < 0:

@@ -8,8 +8,8 @@ the defaults are torch.amp.GradScaler's.
 
 Why not GradScaler itself: it looks for an overflow in the gradients each rank holds, and under FSDP2, TP
 or pipeline parallelism a rank holds a shard or a stage, so the ranks could disagree on a skip and their
-weights drift apart; it then hands its verdict to the optimizer through AMP's private ``found_inf``
-protocol. Here the overflow flag comes from the global gradient norm (already reduced over the shards, TP
+weights drift apart; and it applies its verdict by reading it on the host or through AMP's private
+optimizer protocol (``found_inf``). Here the overflow flag comes from the global gradient norm (already reduced over the shards, TP
 ranks and stages) and is all-reduced once more over every rank (HSDP's replicas, and any rank whose flag the
 norm's reductions do not reach), and the verdict is the same explicit one every skip uses
 (``SkipStepAdamW.step_or_skip``). Everything stays on the device; the scale is read on log steps and saves.
@@ -36,8 +36,8 @@ class LossScaler(Callback):
     """The loss scale and its bookkeeping; a callback for its state (checkpoints), its metrics
     (``loss_scale``, ``overflow_skipped``) and the overflow drill (``debug.overflow_at_steps``).
 
-    Per step, in this order: :meth:`scale_loss` (or ``scale`` handed to the pipeline's loss) before
-    backward, :meth:`unscale_` after it, :meth:`found_overflow` on the global gradient norm, :meth:`update`
+    Per step, in this order: backward on the loss times :attr:`scale` (``trainer/step.py``'s
+    ``forward_backward`` and ``PipelineLoss``), :meth:`unscale_` after it, :meth:`found_overflow` on the global gradient norm, :meth:`update`
     after the optimizer step (``trainer/step.py: clip_and_step``)."""
 
     name = "loss_scaler"
@@ -62,26 +62,25 @@ class LossScaler(Callback):
 
     # The step ---------------------------------------------------------------------------------------
 
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` times the scale: what backward runs on."""
-        return loss * self.scale
-
     @torch.no_grad()
     def unscale_(self, model_parts: list[torch.nn.Module]) -> None:
         """Divide every gradient by the scale, in place (the overflow drill first plants its infinity)."""
         grads = [p.grad for part in model_parts for p in part.parameters() if p.grad is not None]
         if self._inject:
             plant_overflow(grads)
-        inv = self.scale.double().reciprocal().float()  # as GradScaler: exact for a power of two
-        # One kernel per gradient; a DTensor gradient divides its local shard.
+        inv = {self.scale.device: self.scale.double().reciprocal().float()}  # as GradScaler: exact for 2**k
+        # One kernel per gradient; a DTensor gradient divides its local shard. (CPU-offloaded gradients
+        # take a CPU copy of the factor: a device scalar cannot multiply a CPU tensor.)
         for g in grads:
-            g.mul_(inv)
+            if g.device not in inv:
+                inv[g.device] = inv[self.scale.device].to(g.device)
+            g.mul_(inv[g.device])
 
     def found_overflow(self, grad_norm: torch.Tensor) -> torch.Tensor:
         """Whether this step's gradients overflowed, the same answer on every rank (a 0-d bool on the
         device). ``grad_norm`` is the global norm of the unscaled gradients: an inf or NaN anywhere makes it
         non-finite. A collective over every rank: each must call it."""
-        found = (~torch.isfinite(grad_norm.detach().reshape(()))).to(torch.float32)
+        found = (~torch.isfinite(grad_norm.detach().reshape(()))).to(self.scale.device, torch.float32)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(found, op=dist.ReduceOp.MAX)
         self.found_inf = found > 0
