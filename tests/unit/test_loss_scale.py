@@ -179,6 +179,14 @@ def test_overflow_drill_skips_its_step_and_backs_off(runs):
                                                                  "overflow_skipped": 1}
 
 
+def test_a_nonfinite_loss_in_float16_is_still_a_bad_step(tmp_path, monkeypatch):
+    """A NaN loss is no overflow the scale can cure: the non-finite guard counts it and stops the run."""
+    rc, log = train_in_process(tmp_path, *TINY, *FP16, "--stability.inject_nonfinite_loss_steps", "2",
+                               "--stability.max_consecutive_bad_steps", "1", monkeypatch=monkeypatch)
+    assert rc == 3 and "1 consecutive bad steps (steps 2-2; last: non-finite loss nan" in log, log[-3000:]
+    assert json.loads((tmp_path / "summary.json").read_text())["overflow_skipped"] == 1  # backed off all the same
+
+
 def test_resume_restores_the_scale_bitwise(runs, tmp_path, monkeypatch):
     """From step 2 (scale 512, one clean step counted towards growth): steps 3-4 exactly as the unbroken run,
     the growth at step 4 included (a fresh scale, or a lost count, would differ)."""

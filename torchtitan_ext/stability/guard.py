@@ -174,8 +174,8 @@ class StepGuard(Callback):
                overflow: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Device-side verdict for a step's (global) loss and grad norm, updating the window: the code
         (OK, NONFINITE or SPIKE, int64) and the float [5] of values, thresholds and window fill.
-        ``overflow`` (float16's agreed flag): the loss scaler skips that step, so it is OK here and stays
-        out of the window."""
+        ``overflow`` (float16's agreed flag, at a finite loss): the loss scaler skips that step, so it is OK
+        here and stays out of the window."""
         from torch.distributed.tensor import DTensor
 
         if isinstance(grad_norm, DTensor):
@@ -210,11 +210,13 @@ class StepGuard(Callback):
     def should_skip(self, run, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor | None:
         if not self.enabled:
             return None
-        # float16: a step whose gradients overflowed is the loss scaler's to skip, not a bad step; the
-        # counters (and the streak towards max_consecutive_bad_steps) stay as they were.
+        # float16: a step whose gradients overflowed is the loss scaler's to skip, not a bad step; the counters
+        # (and the streak towards max_consecutive_bad_steps) stay as they were. Not so a non-finite loss: the
+        # loss is float32 and unscaled, no scale cures it, and a diverged run must still stop.
         scaler = getattr(run, "loss_scaler", None)
-        overflow = scaler.found_inf if scaler is not None else None
-        code, last = self.decide(global_mean_loss(run, loss), grad_norm, overflow)
+        loss = global_mean_loss(run, loss)
+        overflow = scaler.found_inf & torch.isfinite(loss) if scaler is not None else None
+        code, last = self.decide(loss, grad_norm, overflow)
         if self._counts is None:
             self._counts = torch.tensor(self._loaded_counts, dtype=torch.int64, device=code.device)
         c = self._counts
