@@ -41,6 +41,7 @@ class RunView:
     pp_has_first: bool = True  # this rank holds the first pipeline stage (always, without pipelining)
     pp_has_last: bool = True  # this rank holds the last pipeline stage (always, without pipelining)
     pp_group: Any = None  # the process group of this rank's pipeline (None without pipelining)
+    loss_scaler: Any = None  # float16 training's trainer.optim.loss_scale.LossScaler (None otherwise)
 
 
 class Callback:
@@ -94,6 +95,10 @@ class Callback:
 class CallbackList:
     def __init__(self, callbacks: list[Callback]):
         self.callbacks = callbacks
+
+    def append(self, callback: Callback) -> None:
+        """Add one the core builds itself (float16's loss scaler), after the registered ones."""
+        self.callbacks.append(callback)
 
     def _each(self, hook: str, *args) -> None:
         for cb in self.callbacks:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.profiler import record_function
 
+from trainer.optim.loss_scale import LossScaler
 from trainer.optim.optimizer import SkipStepAdamW
 
 # (logits, loss already divided by the step's tokens, the step's tokens per rank) -> the loss with added terms
@@ -62,12 +63,13 @@ def model_kwargs(batch: dict[str, torch.Tensor], device: torch.device) -> dict[s
 
 def forward_backward(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], *, device: torch.device,
                      autocast, parallel_loss: bool, loss_fn: Callable = loss_fn, extra_loss: ExtraLoss | None = None,
-                     mark: Callable = record_function) -> torch.Tensor:
+                     mark: Callable = record_function, loss_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Accumulate gradients over the micro-batches; returns this rank's mean token loss (detached).
 
     ``autocast`` is the context the forward runs in (:func:`autocast_context`), ``parallel_loss`` whether the
     loss runs in :func:`loss_parallel`; ``mark(name)`` opens the "forward", "loss" and "backward" ranges
-    (profiler ranges; the simulator's phases)."""
+    (profiler ranges; the simulator's phases). ``loss_scale`` (float16 training's, a 0-d tensor) multiplies
+    the loss backward runs on, not the loss returned."""
     tokens_per_rank = sum(b["labels"].numel() for b in batches)
     total = torch.zeros((), device=device)
     for batch in batches:
@@ -85,34 +87,49 @@ def forward_backward(model: torch.nn.Module, batches: list[dict[str, torch.Tenso
             # (vocabulary x tokens, the largest activation) would otherwise live through backward.
             del logits
             with mark("backward"):
-                loss.backward()
+                (loss if loss_scale is None else loss * loss_scale).backward()
         total += plain(loss.detach())
     return total
 
 
 class PipelineLoss:
     """The loss a pipeline schedule calls on each micro-batch its last stage finishes: normalised by the
-    rank's tokens in the whole step (``tokens_per_rank``, set before each step), plus the extra terms."""
+    rank's tokens in the whole step (``tokens_per_rank``, set before each step), plus the extra terms. With
+    a ``scale`` (float16 training's loss scale, set before each step) the schedule's backward runs on the
+    scaled loss, and ``unscaled`` pairs each loss returned with the loss as it was (:meth:`unscaled_of`)."""
 
     def __init__(self, loss_fn: Callable = loss_fn, extra_loss: ExtraLoss | None = None):
         self.loss_fn = loss_fn
         self.extra_loss = extra_loss
         self.tokens_per_rank = 0
+        self.scale: torch.Tensor | None = None
+        self.unscaled: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         loss = self.loss_fn(logits, labels) / self.tokens_per_rank
         if self.extra_loss is not None:
             loss = self.extra_loss(logits, loss, self.tokens_per_rank)
-        return loss
+        if self.scale is None:
+            return loss
+        scaled = loss * self.scale
+        self.unscaled.append((scaled, loss.detach()))
+        return scaled
+
+    def unscaled_of(self, scaled: torch.Tensor) -> torch.Tensor:
+        """The loss before scaling of a loss this returned. By identity: the schedule hands back the very
+        tensors, and may call the loss more often than it has micro-batches (torch >= 2.13 infers the
+        backward's shapes by calling it once, on the first step)."""
+        return next(kept for out, kept in self.unscaled if out is scaled)
 
 
 def forward_backward_pipeline(schedule, batches: list[dict[str, torch.Tensor]], *, pipeline_loss: PipelineLoss,
                               device: torch.device, autocast, parallel_loss: bool, has_first: bool,
-                              has_last: bool) -> torch.Tensor:
+                              has_last: bool, loss_scale: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`forward_backward` through this rank's pipeline stages: the schedule runs each local batch as
     micro-batches and calls ``pipeline_loss`` (the loss it was built with) on the last stage. Only ranks
-    holding the last stage have a loss; the others return 0."""
+    holding the last stage have a loss; the others return 0. ``loss_scale``: as for :func:`forward_backward`."""
     pipeline_loss.tokens_per_rank = sum(b["labels"].numel() for b in batches)
+    pipeline_loss.scale = loss_scale
     total = torch.zeros((), device=device)
     for batch in batches:
         inputs = batch["input"].to(device, non_blocking=True)
@@ -121,10 +138,12 @@ def forward_backward_pipeline(schedule, batches: list[dict[str, torch.Tensor]], 
         args = (inputs,) if has_first else ()
         kwargs = {"target": labels, "losses": losses} if has_last else {}
         # The schedule computes the loss and runs backward inside, hence the loss-parallel context around it.
+        pipeline_loss.unscaled = []
         with record_function("forward_backward"), autocast, loss_parallel(parallel_loss):
             schedule.step(*args, **kwargs, return_outputs=False)
         for loss in losses:
-            total += plain(loss.detach())
+            total += plain(loss.detach() if loss_scale is None else pipeline_loss.unscaled_of(loss))
+    pipeline_loss.unscaled = []
     return total
 
 
@@ -147,13 +166,23 @@ def clip_grad_norm(model_parts: list[torch.nn.Module], max_norm: float, pp_group
 
 def clip_and_step(model_parts: list[torch.nn.Module], optimizer: SkipStepAdamW, *, max_norm: float,
                   pp_group=None, should_skip: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
-                  ) -> tuple[torch.Tensor, bool | torch.Tensor]:
+                  scaler: LossScaler | None = None) -> tuple[torch.Tensor, bool | torch.Tensor]:
     """Clip to the global norm, ask ``should_skip(grad_norm)`` for a verdict (a 0-d bool on the device, or
     None), step the optimizer unless it says skip (fused AdamW applies a device verdict without a host
-    sync), zero the gradients. Returns the norm and the verdict (False when there was none)."""
+    sync), zero the gradients. Returns the norm and the verdict (False when there was none).
+
+    With float16's ``scaler`` the gradients are unscaled first (the norm, the clipping and ``should_skip``
+    see the true gradients), an overflow anywhere skips the step on every rank, and the scale is updated."""
+    if scaler is not None:
+        scaler.unscale_(model_parts)
     grad_norm = clip_grad_norm(model_parts, max_norm, pp_group)
+    overflow = scaler.found_overflow(grad_norm) if scaler is not None else None
     skip = should_skip(grad_norm) if should_skip is not None else None
+    if overflow is not None:
+        skip = overflow if skip is None else skip | overflow
     optimizer.step_or_skip(skip)
+    if scaler is not None:
+        scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm, False if skip is None else skip
 

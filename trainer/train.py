@@ -61,6 +61,7 @@ from trainer.models.llama.model import Transformer
 from trainer.observability.failures import output_failure, peer_failure
 from trainer.observability.flight_recorder import setup_flight_recorder
 from trainer.observability.session import Observability, ObservedRun
+from trainer.optim.loss_scale import build_loss_scaler
 from trainer.optim.optimizer import LRSchedule, build_optimizer
 from trainer.parallel.dims import ParallelDims, device_type
 from trainer.parallel.float8 import register_float8_scale_precompute
@@ -135,6 +136,10 @@ class Trainer:
         self.num_params = model_num_params(template)
         self.flops_per_token = flops_per_token(self.model_args, config.training.seq_len)
         self.callbacks: CallbackList = build_callbacks(config)
+        # float16: the loss scale (its state is checkpointed with the callbacks'; None in other precisions)
+        self.loss_scaler = build_loss_scaler(config, self.device, self.rank)
+        if self.loss_scaler is not None:
+            self.callbacks.append(self.loss_scaler)
         # Precision: FSDP casts parameters itself; without FSDP, autocast. CPU runs stay in float32
         # unless the config asks for bf16 explicitly.
         self.compute_dtype = DTYPES[config.training.mixed_precision_param]
@@ -225,6 +230,7 @@ class Trainer:
             global_loss=self.global_loss,
             finish_checkpoints=lambda: self.checkpointer.finish(), pp_schedule=self.pp_schedule,
             pp_has_first=self.pp_has_first, pp_has_last=self.pp_has_last, pp_group=self.pp_group,
+            loss_scaler=self.loss_scaler,
         )
 
     def observed_run(self) -> ObservedRun:
@@ -232,7 +238,8 @@ class Trainer:
         return ObservedRun(
             config=self.config, state=self.state, device=self.device, rank=self.rank, world_size=self.world_size,
             is_logging_rank=self.is_logging_rank, metrics=self.metrics, flops_per_token=self.flops_per_token,
-            peak_tflops=self.throughput.peak, checkpointer=self.checkpointer, extra_summary=self.replicas.summary)
+            peak_tflops=self.throughput.peak, checkpointer=self.checkpointer,
+            extra_summary=lambda: {**self.replicas.summary(), **(self.loss_scaler.summary() if self.loss_scaler else {})})
 
     # ------------------------------------------------------------------------------------------------
     # One step
@@ -258,21 +265,22 @@ class Trainer:
             skip: bool | torch.Tensor = self.replicas.commit(True)  # every replica group skips it alike
             loss = grad_norm = torch.full((), float("nan"), device=self.device)
         else:
+            scale = self.loss_scaler.scale if self.loss_scaler is not None else None
             if self.pp_schedule is None:
                 loss = steps.forward_backward(self.model, batches, device=self.device, autocast=self.autocast,
                                               parallel_loss=self.parallel_loss, loss_fn=self.loss_fn,
-                                              extra_loss=self.extra_loss)
+                                              extra_loss=self.extra_loss, loss_scale=scale)
             else:
                 loss = steps.forward_backward_pipeline(
                     self.pp_schedule, batches, pipeline_loss=self.pipeline_loss, device=self.device,
                     autocast=self.autocast, parallel_loss=self.parallel_loss, has_first=self.pp_has_first,
-                    has_last=self.pp_has_last)
+                    has_last=self.pp_has_last, loss_scale=scale)
             loss = self.replicas.average(self.model_parts, loss)  # over the replica groups (fault tolerance)
             with record_function("optimizer"):
                 grad_norm, skip = steps.clip_and_step(
                     self.model_parts, self.optimizer, max_norm=self.config.training.max_norm, pp_group=self.pp_group,
                     should_skip=lambda norm: self.replicas.commit(
-                        self.callbacks.should_skip(self.run_view, step, loss, norm)))
+                        self.callbacks.should_skip(self.run_view, step, loss, norm)), scaler=self.loss_scaler)
         tokens = sum(b["labels"].numel() for b in batches)
         self.state.step = step
         self.state.tokens_seen += tokens * self.dims.dp * self.replicas.groups_taking_part

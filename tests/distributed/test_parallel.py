@@ -5,6 +5,8 @@ layout independent), so five deterministic steps must give the same losses up to
 are batched: one torchrun start per world size (tests/support/batches.py).
 """
 
+import json
+
 import pytest
 
 from tests.support.batches import spec
@@ -41,6 +43,34 @@ def test_fsdp_bf16_params_close_to_fp32(batches):
     diffs = relative_diffs(batches.get(BF16).losses(), batches.get(SINGLE).losses())
     assert max(diffs) <= 1e-2, diffs
     assert max(diffs) > 0  # bf16 really ran: not bitwise equal to fp32
+
+
+# float16 under FSDP 2 and PP 2 on a two-block model (CPUs have few float16 kernels), with the overflow drill at
+# the last step on rank 1 alone (FSDP: its gradient shard; PP: the last stage); a step's loss is computed before
+# its update, so all three compare with float32's.
+FP16_TINY = ["--model.n_layers", "2", "--training.seq_len", "32", "--training.steps", "3", "--debug.deterministic",
+             "--training.global_batch_size", "4", "--training.mixed_precision_param", "float32"]
+FP16_REFERENCE = spec("fp16_reference_fp32", 1, *FP16_TINY, "--training.local_batch_size", "4")
+FP16_DRILL = ["--training.mixed_precision_param", "float16", "--debug.overflow_at_steps", "3", "--debug.overflow_rank", "1"]
+FP16 = {"fsdp2": spec("fsdp2_fp16", 2, *FP16_TINY, "--training.local_batch_size", "2", *FP16_DRILL),
+        "pp2": spec("pp2_fp16", 2, *FP16_TINY, "--training.local_batch_size", "4", *FP16_DRILL,
+                    "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [pytest.param(k, marks=pytest.mark.runs(FP16_REFERENCE, v)) for k, v in FP16.items()])
+def test_fp16_tracks_fp32_and_every_rank_skips_an_overflow(layout, batches):
+    run, reference = batches.get(FP16[layout]), batches.get(FP16_REFERENCE).losses()
+    losses = run.losses()
+    assert sorted(losses) == sorted(reference) == [1, 2, 3]
+    diffs = [abs(losses[s] - reference[s]) / reference[s] for s in reference]
+    assert 0 < max(diffs) <= 1e-2, diffs  # bf16's tolerance above; float16 really ran
+    # Rank 0 logs: it skipped step 3 although only rank 1's gradients overflowed.
+    rec = run.records()
+    assert [rec[s]["skipped"] for s in (1, 2, 3)] == [False, False, True]
+    assert [rec[s]["loss_scale"] for s in (1, 2, 3)] == [65536.0, 65536.0, 32768.0]
+    assert rec[3]["overflow_skipped"] == 1 and rec[3]["skip_reason"].startswith("float16 gradient overflow")
+    assert json.loads((run.dump / "summary.json").read_text())["overflow_skipped"] == 1
 
 
 FLOAT8_COMMON = ["--training.steps", "20", "--training.local_batch_size", "8", "--metrics.log_freq", "20",

@@ -170,9 +170,12 @@ class StepGuard(Callback):
             self.window.load_state(self._loaded_window)
         return self.window
 
-    def decide(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def decide(self, loss: torch.Tensor, grad_norm: torch.Tensor,
+               overflow: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Device-side verdict for a step's (global) loss and grad norm, updating the window: the code
-        (OK, NONFINITE or SPIKE, int64) and the float [5] of values, thresholds and window fill."""
+        (OK, NONFINITE or SPIKE, int64) and the float [5] of values, thresholds and window fill.
+        ``overflow`` (float16's agreed flag, at a finite loss): the loss scaler skips that step, so it is OK
+        here and stays out of the window."""
         from torch.distributed.tensor import DTensor
 
         if isinstance(grad_norm, DTensor):
@@ -194,6 +197,9 @@ class StepGuard(Callback):
             count = torch.zeros(1, device=device)
         if self.nonfinite:
             code = torch.where(finite, code, NONFINITE)
+        if overflow is not None:
+            code = torch.where(overflow, OK, code)
+            finite = finite & ~overflow
         if self.spike:
             # Every finite step enters the window, skipped or not (as OLMo-core does): a lasting change of
             # level (e.g. grad norms rising during warmup) widens the window instead of being skipped
@@ -204,7 +210,13 @@ class StepGuard(Callback):
     def should_skip(self, run, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor | None:
         if not self.enabled:
             return None
-        code, last = self.decide(global_mean_loss(run, loss), grad_norm)
+        # float16: a step whose gradients overflowed is the loss scaler's to skip, not a bad step; the counters
+        # (and the streak towards max_consecutive_bad_steps) stay as they were. Not so a non-finite loss: the
+        # loss is float32 and unscaled, no scale cures it, and a diverged run must still stop.
+        scaler = getattr(run, "loss_scaler", None)
+        loss = global_mean_loss(run, loss)
+        overflow = scaler.found_inf & torch.isfinite(loss) if scaler is not None else None
+        code, last = self.decide(loss, grad_norm, overflow)
         if self._counts is None:
             self._counts = torch.tensor(self._loaded_counts, dtype=torch.int64, device=code.device)
         c = self._counts
@@ -215,6 +227,8 @@ class StepGuard(Callback):
             torch.where(bad, torch.where(c[STREAK] == 0, step, c[STREAK_START]), -1), code,
             torch.where(bad, step, c[LAST_BAD_STEP]),
         ])
+        if overflow is not None:
+            self._counts = torch.where(overflow, c, self._counts)
         self._last = last
         return bad
 

@@ -25,7 +25,7 @@ from trainer.data.config import Data
 from trainer.fault_tolerance.config import SECTION_DOC as _FT_DOC, FaultTolerance
 from trainer.models.config import SECTION_DOC as _MODEL_DOC, Model
 from trainer.observability.config import SECTION_DOC as _OBSERVABILITY_DOC, Comm, Metrics, Profiling
-from trainer.optim.config import SECTION_DOC as _OPTIM_DOC, LRScheduler, Optimizer
+from trainer.optim.config import SECTION_DOC as _OPTIM_DOC, LossScale, LRScheduler, Optimizer
 from trainer.parallel.config import (
     SECTION_DOC as _PARALLEL_DOC, ActivationCheckpoint, Compile, Parallelism, Quantize,
 )
@@ -77,11 +77,14 @@ class Training:
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
     steps: int = 10000
     """Optimizer steps to train for (a resumed run continues up to this step)."""
-    mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
+    mixed_precision_param: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     """Parameter dtype for compute under FSDP (and autocast dtype without FSDP on GPU). Runs on CPU use
-    float32 unless set explicitly in the config."""
-    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
-    """Gradient reduction dtype under FSDP."""
+    float32 unless set explicitly in the config. float16 (GPUs without bf16) trains with dynamic loss
+    scaling ([training.loss_scale]): a step whose gradients overflow is skipped and the scale backs off
+    (float16 runs on CPU too, slowly: CPUs have few float16 kernels)."""
+    mixed_precision_reduce: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Gradient reduction dtype under FSDP. float16 only with mixed_precision_param = "float16" (the loss scale
+    keeps the sum clear of underflow, and an overflow of it skips the step)."""
     enable_cpu_offload: bool = False
     """Keep FSDP-sharded parameters, gradients and optimizer state in CPU memory."""
     gc_freq: int = 50
@@ -93,6 +96,7 @@ class Training:
     """Refused unless float32: pure bf16 training (parameters and optimizer state in bf16) is not
     supported; mixed_precision_param gives bf16 compute with float32 master weights."""
     dataloader: LoaderWorkers = field(default_factory=LoaderWorkers)
+    loss_scale: LossScale = field(default_factory=LossScale)
 
 
 @dataclass
@@ -141,6 +145,12 @@ class Debug:
     (MAX_RESTARTS) and resume from the latest checkpoint (see docs/multinode.md)."""
     crash_rank: int = 0
     """The global rank that kills itself in the crash drill (debug.crash_at_step)."""
+    overflow_at_steps: list[int] = field(default_factory=list)
+    """Overflow drill of float16 training: at these steps, after backward, rank debug.overflow_rank sets one
+    value of its own gradient shard to infinity, as an fp16 overflow would; every rank must then skip the
+    step together and back the loss scale off (training.loss_scale.backoff_factor)."""
+    overflow_rank: int = 0
+    """The global rank whose gradient overflows in the overflow drill (debug.overflow_at_steps)."""
 
 
 @dataclass

@@ -53,7 +53,23 @@ class LRScheduler:
     """Final learning rate as a fraction of optimizer.lr."""
 
 
-SECTION_DOC = {"optimizer": "AdamW settings.", "lr_scheduler": "Learning-rate warmup and decay."}
+@dataclass
+class LossScale:
+    """Dynamic loss scaling, on with training.mixed_precision_param = "float16" (torch.amp.GradScaler's names and
+    defaults)."""
+
+    init_scale: float = 2.0**16
+    """The loss scale the run starts with (a resumed run takes the checkpoint's)."""
+    growth_factor: float = 2.0
+    """The scale is multiplied by this after growth_interval steps in a row without an overflow."""
+    backoff_factor: float = 0.5
+    """The scale is multiplied by this at a step whose gradients overflowed (that step's update is skipped)."""
+    growth_interval: int = 2000
+    """Steps in a row without an overflow before the scale grows by growth_factor."""
+
+
+SECTION_DOC = {"optimizer": "AdamW settings.", "lr_scheduler": "Learning-rate warmup and decay.",
+               "training.loss_scale": "Dynamic loss scaling of float16 training (see docs/stability.md)."}
 
 
 def check_config(config) -> None:
@@ -75,3 +91,37 @@ def check_config(config) -> None:
         raise ConfigError(f"lr_scheduler.decay_ratio must be in [0, 1] or None, got {s.decay_ratio}")
     if s.total_steps is not None and s.total_steps < 1:
         raise ConfigError(f"lr_scheduler.total_steps must be None (training.steps) or >= 1, got {s.total_steps}")
+    check_loss_scale(config)
+
+
+def check_loss_scale(config) -> None:
+    """float16 training's loss scaling: its keys, and what it does not combine with."""
+    t, ls = config.training, config.training.loss_scale
+    if ls.init_scale <= 0:
+        raise ConfigError(f"training.loss_scale.init_scale must be > 0, got {ls.init_scale}")
+    if ls.growth_factor <= 1:
+        raise ConfigError(f"training.loss_scale.growth_factor must be > 1, got {ls.growth_factor}")
+    if not 0 < ls.backoff_factor < 1:
+        raise ConfigError(f"training.loss_scale.backoff_factor must be in (0, 1), got {ls.backoff_factor}")
+    if ls.growth_interval < 1:
+        raise ConfigError(f"training.loss_scale.growth_interval must be >= 1, got {ls.growth_interval}")
+    if any(s < 1 for s in config.debug.overflow_at_steps) or config.debug.overflow_rank < 0:
+        raise ConfigError(f"debug.overflow_at_steps must hold steps >= 1 and debug.overflow_rank must be >= 0, got "
+                          f"{config.debug.overflow_at_steps} and {config.debug.overflow_rank}")
+    fp16 = t.mixed_precision_param == "float16"
+    if not fp16:
+        given = sorted(k for k in config.explicit_keys if k.startswith("training.loss_scale."))
+        if given:
+            raise ConfigError(f"{given[0]} is set but training.mixed_precision_param is {t.mixed_precision_param!r}: "
+                              "loss scaling is for float16 training only; remove the key or train in float16")
+        if config.debug.overflow_at_steps:
+            raise ConfigError("debug.overflow_at_steps drills float16's loss scaling: it needs "
+                              "training.mixed_precision_param = \"float16\"")
+    if t.mixed_precision_reduce == "float16" and not fp16:
+        # Unscaled gradients are small: in float16 the smallest of them flush to zero, silently.
+        raise ConfigError(f"training.mixed_precision_reduce = \"float16\" is safe only with float16 training, whose "
+                          f"loss scale keeps gradients clear of float16's underflow and catches an overflow of the "
+                          f"sum (training.mixed_precision_param is {t.mixed_precision_param!r}); use \"float32\"")
+    if fp16 and config.fault_tolerance.enable:
+        raise ConfigError("training.mixed_precision_param = \"float16\" with fault_tolerance.enable is not supported: "
+                          "the replica groups do not agree on overflow skips and the loss scale; train in bfloat16")
