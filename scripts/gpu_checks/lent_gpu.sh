@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything the project checks on a lent GPU machine, in one run of about 8 minutes (one CUDA GPU, the
+# Everything the project checks on a lent GPU machine, in one run of about 10 minutes (one CUDA GPU, the
 # machine's own torch, no network): the CUDA tests (the whole of the files that hold them, so the machine's
 # torch release is tried too), the checkpoint staging copy (staging.sh), `trainer bench gpu` on 8B-shaped
 # layers, eager, compiled and compiled with float8, and the per-document attention kernels (attention.sh). Packages the machine lacks (torchdata, torchao) are
