@@ -12,7 +12,9 @@ ensure_env "[dev]" "pytest xdist transformers megatron torchft" || exit 1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # Two pytest workers (TEST_WORKERS), each taking whole files: one core each while tests run in-process, and
 # the multi-process runs share the machine. -n N or -p no:xdist on the command line decides instead.
-workers=(-n "${TEST_WORKERS:-2}" --dist loadfile)
+# --no-loadscope-reorder: the files go out in tests/conftest.py's order (the longest first), not xdist's
+# default of the files with the most tests first, which left a one-test file of a minute for the end.
+workers=(-n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)
 for a in "$@"; do
     case "$a" in -n|-n*|--numprocesses*|no:xdist) workers=() ;; esac
 done

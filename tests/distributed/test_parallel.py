@@ -73,9 +73,10 @@ def test_fp16_tracks_fp32_and_every_rank_skips_an_overflow(layout, batches):
     assert json.loads((run.dump / "summary.json").read_text())["overflow_skipped"] == 1
 
 
-FLOAT8_COMMON = ["--training.steps", "20", "--training.local_batch_size", "8", "--metrics.log_freq", "20",
-                 "--training.mixed_precision_param", "bfloat16"]
-# Three 20-step runs: a torchrun start of their own, beside the other single-process runs.
+FLOAT8_STEPS = 10
+FLOAT8_COMMON = ["--training.steps", str(FLOAT8_STEPS), "--training.local_batch_size", "8", "--metrics.log_freq",
+                 str(FLOAT8_STEPS), "--training.mixed_precision_param", "bfloat16"]
+# Three 10-step runs: a torchrun start of their own, beside the other single-process runs.
 FLOAT8 = {"bf16": spec("float8_bf16_reference", 1, *FLOAT8_COMMON, lane="float8")}
 for _recipe in ("tensorwise", "rowwise"):
     FLOAT8[_recipe] = spec(f"float8_{_recipe}", 1, *FLOAT8_COMMON, "--model.converters", "quantize.linear.float8",
@@ -85,8 +86,9 @@ for _recipe in ("tensorwise", "rowwise"):
 @pytest.mark.slow
 @pytest.mark.runs(*FLOAT8.values())
 def test_float8_trains_close_to_bf16(batches):
-    """float8 matmuls (torchao, emulated scaling on CPU) track bf16 within 5% after 20 steps."""
-    reference = batches.get(FLOAT8["bf16"]).losses()[20]
+    """float8 matmuls (torchao, emulated scaling on CPU) track bf16 within 5% after 10 steps."""
+    reference = batches.get(FLOAT8["bf16"]).losses()[FLOAT8_STEPS]
     for recipe in ("tensorwise", "rowwise"):
-        got = batches.get(FLOAT8[recipe]).losses()[20]
+        got = batches.get(FLOAT8[recipe]).losses()[FLOAT8_STEPS]
+        print(f"float8 {recipe}: loss {got:.4f} at step {FLOAT8_STEPS}, bf16 {reference:.4f}")
         assert abs(got - reference) / reference <= 0.05, (recipe, got, reference)

@@ -49,9 +49,9 @@ def test_stalled_rank_makes_every_rank_dump_stacks_and_exit(tmp_path):
 
 
 @pytest.mark.slow
-def test_four_rank_console_shows_rank0_step_lines_and_the_summary(tmp_path):
+def test_two_rank_console_shows_rank0_step_lines_and_the_summary(tmp_path):
     dump = tmp_path / "run"
-    proc = run_train(dump, *E2E, "--training.steps", "3", nproc=4, timeout=400)
+    proc = run_train(dump, *E2E, "--training.steps", "3", nproc=2, timeout=400)
     lines = proc.stdout.splitlines()
     steps = [m for m in map(STEP_LINE.match, lines) if m]
     assert [(m.group(1), m.group(2)) for m in steps] == [("0", "1"), ("0", "2"), ("0", "3")]
@@ -60,4 +60,4 @@ def test_four_rank_console_shows_rank0_step_lines_and_the_summary(tmp_path):
     summary_lines = [line for line in lines if "run summary: completed" in line]
     assert len(summary_lines) == 1 and "step 3/3" in summary_lines[0] and "[rank 0]" in summary_lines[0]
     summary = json.loads((dump / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["world_size"] == 4 and summary["step"] == 3
+    assert summary["status"] == "completed" and summary["world_size"] == 2 and summary["step"] == 3
