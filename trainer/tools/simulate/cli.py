@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import logging
 import sys
 import time
@@ -163,6 +164,12 @@ def run_roles(config, args, layout, world_size: int, roles: list[tuple[str, int]
 
 
 def _role_process(config, args, layout, world_size: int, rank: int, label: str, quiet: bool) -> dict:
+    # A forked child inherits the parent's objects, some holding torch state that is not valid after a fork
+    # (a garbage collection in the middle of a fake-tensor dispatch once crashed on them, under pytest).
+    # freeze(): the collector never looks at what was inherited; disable(): no collection mid-dispatch, as the
+    # training loop does. The child does one role and exits.
+    gc.freeze()
+    gc.disable()
     _quiet_torch()
     return simulate_role(config, args, layout, world_size, rank, label, quiet)
 
