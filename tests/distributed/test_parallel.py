@@ -21,7 +21,7 @@ def test_layout_matches_single_process(name, batches):
 
 
 COMPILE = spec("compile", 1, *STEPS, "--training.local_batch_size", "8", "--compile.enable",
-               "--compile.cache_dir", "{root}/compile_inductor_cache")
+               "--compile.cache_dir", "{root}/compile_inductor_cache", lane="compile")
 
 
 @pytest.mark.slow
@@ -76,12 +76,11 @@ def test_fp16_tracks_fp32_and_every_rank_skips_an_overflow(layout, batches):
 FLOAT8_STEPS = 10
 FLOAT8_COMMON = ["--training.steps", str(FLOAT8_STEPS), "--training.local_batch_size", "8", "--metrics.log_freq",
                  str(FLOAT8_STEPS), "--training.mixed_precision_param", "bfloat16"]
-# Three 10-step runs, in the single-process start with the others: on 2 cores a start of their own only made
-# every process slower (the distributed tests that read them run last).
-FLOAT8 = {"bf16": spec("float8_bf16_reference", 1, *FLOAT8_COMMON)}
+# Three 10-step runs: a torchrun start of their own, beside the other single-process runs.
+FLOAT8 = {"bf16": spec("float8_bf16_reference", 1, *FLOAT8_COMMON, lane="float8")}
 for _recipe in ("tensorwise", "rowwise"):
     FLOAT8[_recipe] = spec(f"float8_{_recipe}", 1, *FLOAT8_COMMON, "--model.converters", "quantize.linear.float8",
-                           "--quantize.linear.float8.recipe_name", _recipe)
+                           "--quantize.linear.float8.recipe_name", _recipe, lane="float8")
 
 
 @pytest.mark.slow
