@@ -79,15 +79,14 @@ def pytest_runtest_teardown(item, nextitem):
 # Under pytest-xdist each worker takes whole files as it becomes free: the longest files go first (so no
 # worker is left alone with one at the end), and the files that read batched runs go last (by then the runs,
 # started with the session, have ended).
-_LONGEST_FIRST = ["tests/e2e/test_multinode.py", "tests/distributed/test_fault_tolerance.py",
-                  "tests/e2e/test_never_lose_work.py", "tests/e2e/test_lighthouse.py", "tests/e2e/test_train.py",
-                  "tests/e2e/test_torchtitan_compat.py", "tests/e2e/test_hf_eval.py"]
+_LONGEST_FIRST = ["tests/e2e/test_multinode.py", "tests/e2e/test_never_lose_work.py", "tests/e2e/test_lighthouse.py",
+                  "tests/e2e/test_train.py", "tests/e2e/test_torchtitan_compat.py", "tests/e2e/test_hf_eval.py"]
 _TIERS = ["tests/e2e/", "tests/unit/", "tests/distributed/"]
 
 
 def _file_order(item) -> tuple[int, int]:
     path = item.nodeid.split("::")[0]
-    if path in _LONGEST_FIRST:  # (tests/distributed/test_fault_tolerance.py starts processes of its own)
+    if path in _LONGEST_FIRST:
         return 0, _LONGEST_FIRST.index(path)
     return 1 + next((i for i, t in enumerate(_TIERS) if path.startswith(t)), len(_TIERS)), 0
 
