@@ -441,7 +441,7 @@ class Trainer:
                     except TrainerError:
                         raise
                     except Exception as e:  # a semi-synchronous job's quorum is taken inside the step
-                        lost = self.replicas.lighthouse_lost(e, f"during step {step}")
+                        lost = self.replicas.quorum_lost(e, f"during step {step}")
                         if lost is None:
                             raise
                         raise type(lost)(f"{lost}; step {step} was interrupted: nothing saved") from None

@@ -104,7 +104,7 @@ class SingleGroup:
     def metrics(self) -> dict:
         return {}
 
-    def lighthouse_lost(self, error: Exception, during: str) -> None:
+    def quorum_lost(self, error: Exception, during: str) -> None:
         return None
 
     def summary(self) -> dict:
@@ -176,7 +176,7 @@ class TorchFTReplicas:
             self.sync_every = build_semi_sync(self.semi_sync, cfg, self.manager, model_parts[0], optimizer, device)
             self.sync_every.__enter__()
 
-    def lighthouse_lost(self, error: Exception, during: str) -> QuorumLost | None:
+    def quorum_lost(self, error: Exception, during: str) -> QuorumLost | None:
         """The one line for ``error`` if no quorum can form: the lighthouse no longer answers, or it does but
         torchft's quorum request timed out (the other groups did not come); None: ``error`` is something
         else."""
@@ -243,7 +243,7 @@ class TorchFTReplicas:
                 warnings.filterwarnings("ignore", message="The given buffer is not writable")
                 self.manager.start_quorum()  # synchronous: a group that is behind is whole when this returns
         except Exception as e:
-            lost = self.lighthouse_lost(e, f"for the quorum of step {before + 1}")
+            lost = self.quorum_lost(e, f"for the quorum of step {before + 1}")
             if lost is None:
                 raise
             self.lost = True

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from .common import _sync
+
 TENSORS = 48
 
 
@@ -33,11 +35,6 @@ def make_state(nbytes: int, device: torch.device) -> dict:
         optim[f"w{i}"] = {"exp_avg": torch.rand(per, generator=gen, device=device),
                           "exp_avg_sq": torch.rand(per, generator=gen, device=device)}
     return {"model": model, "optimizer": optim}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _timed_copy(staging, state: dict, device: torch.device) -> float:
