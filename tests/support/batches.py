@@ -47,7 +47,11 @@ def spec(name: str, nproc: int, *args: str, after: tuple[str, ...] = (), copy: t
     torchrun start of its own (beside the one of its world size), for a long run that should not hold up the
     others; ``dump``: another dump folder (e.g. the folder of the run it continues); ``remove``: folders
     deleted before it starts; ``rc``: the exit code the run must end with (a run that stops on purpose).
-    Returns the name."""
+    Returns the name. A run with an ``rc`` other than 0 always gets a torchrun start of its own: stopping on a
+    failure may leave the shared process group with a collective one rank never joined, which would break the
+    runs after it."""
+    if rc != 0 and not lane:
+        lane = name
     new = Spec(name, nproc, tuple(args), tuple(after), tuple(tuple(c) for c in copy), fast, save_batch, lane, dump,
                tuple(remove), rc)
     if SPECS.setdefault(name, new) != new:
