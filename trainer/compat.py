@@ -25,8 +25,6 @@ from trainer.models.llama.flavors import TORCHTITAN_FLAVORS
 logger = logging.getLogger("trainer")
 
 _NO_MOE = "the Llama models here have no mixture-of-experts layers"
-_NO_CP = ("context parallelism is not implemented (torch's context-parallel attention has no CPU kernel; "
-          "see docs/coming_from_torchtitan.md)")
 _NO_MX = "MX (microscaling) quantisation is not implemented; model.converters takes quantize.linear.float8"
 
 # Key -> why it cannot take another value than torchtitan's default. The defaults are the JobConfig's.
@@ -47,9 +45,6 @@ REFUSED: dict[str, str] = {
                                                             "use module_fqns_per_model_part",
     "parallelism.pipeline_parallel_schedule_csv": "schedules are chosen by name (pipeline_parallel_schedule)",
     "parallelism.pipeline_parallel_expert_parallel_overlap": _NO_MOE,
-    "parallelism.context_parallel_degree": _NO_CP,
-    "parallelism.context_parallel_load_balancer": _NO_CP,
-    "parallelism.context_parallel_rotate_method": _NO_CP,
     "parallelism.expert_parallel_degree": _NO_MOE,
     "parallelism.expert_tensor_parallel_degree": _NO_MOE,
     "parallelism.expert_parallel_comm_backend": _NO_MOE,

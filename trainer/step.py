@@ -18,6 +18,7 @@ from torch.profiler import record_function
 
 from trainer.optim.loss_scale import LossScaler
 from trainer.optim.optimizer import SkipStepAdamW
+from trainer.parallel.context import shard_batch
 
 # (logits, loss already divided by the step's tokens, the step's tokens per rank) -> the loss with added terms
 ExtraLoss = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
@@ -63,13 +64,17 @@ def model_kwargs(batch: dict[str, torch.Tensor], device: torch.device) -> dict[s
 
 def forward_backward(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], *, device: torch.device,
                      autocast, parallel_loss: bool, loss_fn: Callable = loss_fn, extra_loss: ExtraLoss | None = None,
-                     mark: Callable = record_function, loss_scale: torch.Tensor | None = None) -> torch.Tensor:
+                     mark: Callable = record_function, loss_scale: torch.Tensor | None = None,
+                     context_parallel=None) -> torch.Tensor:
     """Accumulate gradients over the micro-batches; returns this rank's mean token loss (detached).
 
     ``autocast`` is the context the forward runs in (:func:`autocast_context`), ``parallel_loss`` whether the
     loss runs in :func:`loss_parallel`; ``mark(name)`` opens the "forward", "loss" and "backward" ranges
     (profiler ranges; the simulator's phases). ``loss_scale`` (float16 training's, a 0-d tensor) multiplies
-    the loss backward runs on, not the loss returned."""
+    the loss backward runs on, not the loss returned. ``context_parallel`` (the model's, or None): each
+    batch is split to this CP rank's tokens first, and the loss is the mean over them (averaged over the
+    CP ranks like data-parallel ranks: trainer/parallel/context.py)."""
+    batches = [shard_batch(b, context_parallel) for b in batches]
     tokens_per_rank = sum(b["labels"].numel() for b in batches)
     total = torch.zeros((), device=device)
     for batch in batches:
@@ -124,10 +129,13 @@ class PipelineLoss:
 
 def forward_backward_pipeline(schedule, batches: list[dict[str, torch.Tensor]], *, pipeline_loss: PipelineLoss,
                               device: torch.device, autocast, parallel_loss: bool, has_first: bool,
-                              has_last: bool, loss_scale: torch.Tensor | None = None) -> torch.Tensor:
+                              has_last: bool, loss_scale: torch.Tensor | None = None,
+                              context_parallel=None) -> torch.Tensor:
     """:func:`forward_backward` through this rank's pipeline stages: the schedule runs each local batch as
     micro-batches and calls ``pipeline_loss`` (the loss it was built with) on the last stage. Only ranks
-    holding the last stage have a loss; the others return 0. ``loss_scale``: as for :func:`forward_backward`."""
+    holding the last stage have a loss; the others return 0. ``loss_scale``, ``context_parallel``: as for
+    :func:`forward_backward`."""
+    batches = [shard_batch(b, context_parallel) for b in batches]
     pipeline_loss.tokens_per_rank = sum(b["labels"].numel() for b in batches)
     pipeline_loss.scale = loss_scale
     total = torch.zeros((), device=device)
@@ -189,8 +197,9 @@ def clip_and_step(model_parts: list[torch.nn.Module], optimizer: SkipStepAdamW, 
 
 def global_loss(local_loss: torch.Tensor, *, pp_group, dp_group, dp: int) -> torch.Tensor:
     """The step's mean token loss over all ranks: summed over pipeline stages (only the last has it; over
-    ``pp_group``, None without pipelining), averaged over the ``dp`` data-parallel ranks of ``dp_group``. A
-    collective: every rank must call it."""
+    ``pp_group``, None without pipelining), averaged over the ``dp`` ranks of ``dp_group`` (data parallel,
+    and context parallel: each CP rank's loss is the mean over its share of the tokens). A collective:
+    every rank must call it."""
     loss = local_loss.detach().clone()
     if pp_group is not None:
         dist.all_reduce(loss, group=pp_group)

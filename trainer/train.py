@@ -63,6 +63,7 @@ from trainer.observability.flight_recorder import setup_flight_recorder
 from trainer.observability.session import Observability, ObservedRun
 from trainer.optim.loss_scale import build_loss_scaler
 from trainer.optim.optimizer import LRSchedule, build_optimizer
+from trainer.parallel.context import shard_batch
 from trainer.parallel.dims import ParallelDims, device_type
 from trainer.parallel.float8 import register_float8_scale_precompute
 from trainer.parallel.parallelize import DTYPES, set_compile_cache
@@ -162,7 +163,9 @@ class Trainer:
         self.pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
         # The step's loss over all ranks (a collective): for the log and for callbacks.
         self.global_loss = functools.partial(steps.global_loss, pp_group=self.pp_group,
-                                             dp_group=self.dims.dp_mesh.get_group(), dp=self.dims.dp)
+                                             dp_group=self.dims.dp_cp_mesh.get_group(), dp=self.dims.dp_cp)
+        # Context parallel: the split every stage of this rank shares (None without it).
+        self.context_parallel = getattr(self.model_parts[0], "context_parallel", None)
         if config.model.print_after_conversion:
             logger.info("model after conversion and parallelization:\n%s", self.model_parts)
         self.autocast = steps.autocast_context(self.device.type, self.compute_dtype, self.dims.fsdp_enabled)
@@ -269,12 +272,13 @@ class Trainer:
             if self.pp_schedule is None:
                 loss = steps.forward_backward(self.model, batches, device=self.device, autocast=self.autocast,
                                               parallel_loss=self.parallel_loss, loss_fn=self.loss_fn,
-                                              extra_loss=self.extra_loss, loss_scale=scale)
+                                              extra_loss=self.extra_loss, loss_scale=scale,
+                                              context_parallel=self.context_parallel)
             else:
                 loss = steps.forward_backward_pipeline(
                     self.pp_schedule, batches, pipeline_loss=self.pipeline_loss, device=self.device,
                     autocast=self.autocast, parallel_loss=self.parallel_loss, has_first=self.pp_has_first,
-                    has_last=self.pp_has_last, loss_scale=scale)
+                    has_last=self.pp_has_last, loss_scale=scale, context_parallel=self.context_parallel)
             loss = self.replicas.average(self.model_parts, loss)  # over the replica groups (fault tolerance)
             with record_function("optimizer"):
                 grad_norm, skip = steps.clip_and_step(
@@ -366,6 +370,7 @@ class Trainer:
         for i, batch in enumerate(self.val_loader):
             if 0 <= self.config.validation.steps <= i:
                 break
+            batch = shard_batch(batch, self.context_parallel)
             inputs = batch["input"].to(self.device)
             labels = batch["labels"].to(self.device)
             with self.autocast:
@@ -374,9 +379,9 @@ class Trainer:
                 total += steps.plain(self.loss_fn(logits, labels))
             count += labels.numel()
         self.model.train()
-        if self.dims.dp > 1:
+        if self.dims.dp_cp > 1:  # CP ranks hold parts of the same sequences: their sums add up too
             both = torch.stack([total, count])
-            dist.all_reduce(both, group=self.dims.dp_mesh.get_group())
+            dist.all_reduce(both, group=self.dims.dp_cp_mesh.get_group())
             total, count = both[0], both[1]
         return (total / count.clamp(min=1)).item()
 

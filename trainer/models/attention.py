@@ -108,7 +108,10 @@ def document_mask(positions: torch.Tensor, *, rope_restart: bool, kernel: str | 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
     """Attention of ``q`` over ``k``/``v`` (``[batch, heads, seq, head_dim]``; fewer key/value heads: grouped
     query attention). ``mask``: None (causal), a bool tensor (True: may attend; SDPA) or a
-    :class:`DocumentMask`."""
+    :class:`DocumentMask`, or an object with ``attend(q, k, v)`` that runs the attention itself (context
+    parallel: trainer/parallel/context.py)."""
+    if hasattr(mask, "attend"):
+        return mask.attend(q, k, v)
     if isinstance(mask, DocumentMask):
         if mask.kernel == "flex":
             flex, _ = _flex(q.is_cuda)

@@ -56,12 +56,18 @@ class Parallelism:
     pipeline_parallel_expert_parallel_overlap: bool = True
     """Refused unless true: expert parallelism (and with it this overlap) is not supported."""
     context_parallel_degree: int = 1
-    """Refused unless 1: context parallelism is not implemented (torch's context-parallel SDPA has no CPU
-    kernel; what a GPU build needs is in docs/coming_from_torchtitan.md)."""
+    """Ranks each sequence is split over (context parallelism): every rank holds seq_len / degree tokens of
+    each sequence, and attention exchanges keys/values (or heads) between them. Needs training.seq_len
+    divisible by 2 x degree (head-tail load balancing). See docs/parallelism.md."""
     context_parallel_load_balancer: str | None = "headtail"
-    """Refused unless "headtail" (context parallelism only, see context_parallel_degree)."""
+    """How the sequence is split over the context-parallel ranks: "headtail" (the sequence in 2 x degree
+    chunks, rank r holding chunks r and 2 x degree - 1 - r, so that causal attention costs every rank the
+    same). The only one."""
     context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
-    """Refused unless "allgather" (context parallelism only, see context_parallel_degree)."""
+    """How context-parallel attention exchanges data: "allgather" (every rank gathers all keys and values,
+    its own queries attend to them; Llama 3's method) or "alltoall" (Ulysses: sequence and heads are
+    exchanged so that each rank attends over the whole sequence with heads / degree heads; needs the heads
+    and key/value heads divisible by the degree)."""
     expert_parallel_degree: int = 1
     """Refused unless 1: the Llama models here have no mixture-of-experts layers."""
     expert_tensor_parallel_degree: int = 1
@@ -195,7 +201,8 @@ CONVERTERS = {"quantize.linear.float8"}
 def check_config(config) -> None:
     """The rules of these sections that need no world size."""
     p = config.parallelism
-    for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "pipeline_parallel_microbatch_size"):
+    for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "pipeline_parallel_microbatch_size",
+                "context_parallel_degree"):
         if getattr(p, key) < 1:
             raise ConfigError(f"parallelism.{key} must be >= 1, got {getattr(p, key)}")
     for key in ("data_parallel_shard_degree", "data_parallel_replicate_degree"):
@@ -210,6 +217,9 @@ def check_config(config) -> None:
         raise ConfigError("validation.enable is not supported with pipeline_parallel_degree > 1 yet; "
                           "evaluate checkpoints with `trainer eval` instead")
     schedule_name(p.pipeline_parallel_schedule)
+    if p.context_parallel_load_balancer != "headtail":
+        raise ConfigError(f"parallelism.context_parallel_load_balancer = {p.context_parallel_load_balancer!r} is not "
+                          "supported: the only load balancer is \"headtail\"")
     f8 = config.quantize.linear.float8
     if f8.enable_fsdp_float8_all_gather and f8.recipe_name != "tensorwise":
         raise ConfigError('quantize.linear.float8.enable_fsdp_float8_all_gather needs recipe_name = "tensorwise"')
@@ -236,6 +246,7 @@ def check_layout(config, world_size: int) -> int:
     if tp > 1 and args.ffn_hidden_dim % tp:
         raise ConfigError(f"parallelism.tensor_parallel_degree ({tp}) must divide the SwiGLU hidden size "
                           f"({args.ffn_hidden_dim})")
+    check_context_parallel(config, args, tp)
     if pp > 1 and args.tie_word_embeddings:
         raise ConfigError(f"model.tie_word_embeddings (flavor {config.model.flavor}) cannot be trained with "
                           f"pipeline_parallel_degree {pp}: the embedding and the output layer live on different "
@@ -247,31 +258,55 @@ def check_layout(config, world_size: int) -> int:
     return rep * shard
 
 
+def check_context_parallel(config, args, tp: int) -> None:
+    """A context-parallel degree that cannot split this sequence (head-tail: 2 x degree chunks) or, with
+    Ulysses (alltoall), these heads."""
+    p = config.parallelism
+    cp = p.context_parallel_degree
+    if cp == 1:
+        return
+    seq_len = config.training.seq_len
+    if seq_len % (2 * cp):
+        raise ConfigError(f"training.seq_len ({seq_len}) must be a multiple of 2 x context_parallel_degree "
+                          f"({2 * cp}): the head-tail split gives each rank two of 2 x {cp} equal chunks")
+    if tp > 1 and (seq_len // cp) % tp:
+        raise ConfigError(f"training.seq_len / context_parallel_degree ({seq_len // cp}) must be a multiple of "
+                          f"tensor_parallel_degree ({tp}): sequence parallel splits each CP rank's tokens over the "
+                          "TP ranks")
+    if p.context_parallel_rotate_method == "alltoall" and (args.n_heads // tp) % cp:
+        raise ConfigError(f"parallelism.context_parallel_rotate_method = \"alltoall\" needs the attention heads per "
+                          f"tensor-parallel rank ({args.n_heads // tp}) divisible by context_parallel_degree ({cp}): "
+                          "Ulysses gives each CP rank heads / degree heads; use \"allgather\" or another degree")
+
+
 def resolve_degrees(cfg: Parallelism, world_size: int) -> tuple[int, int, int, int]:
-    """(dp_replicate, dp_shard, tp, pp) with -1 resolved; raises ConfigError unless they multiply to
-    the world size."""
+    """(dp_replicate, dp_shard, tp, pp) with -1 resolved; raises ConfigError unless they multiply, with
+    context_parallel_degree, to the world size."""
     rep, shard, tp, pp = (cfg.data_parallel_replicate_degree, cfg.data_parallel_shard_degree,
                           cfg.tensor_parallel_degree, cfg.pipeline_parallel_degree)
+    cp = cfg.context_parallel_degree
     if rep == -1 and shard == -1:
         raise ConfigError("only one of parallelism.data_parallel_replicate_degree and "
                           "data_parallel_shard_degree may be -1")
     if -1 in (rep, shard):
-        fixed = (shard if rep == -1 else rep) * tp * pp
+        fixed = (shard if rep == -1 else rep) * tp * pp * cp
         if world_size % fixed:
             raise ConfigError(
                 f"world size {world_size} is not divisible by the fixed degrees: data_parallel_"
                 f"{'shard' if rep == -1 else 'replicate'}_degree ({shard if rep == -1 else rep}) x "
-                f"tensor_parallel_degree ({tp}) x pipeline_parallel_degree ({pp}) = {fixed}"
+                f"tensor_parallel_degree ({tp}) x pipeline_parallel_degree ({pp})"
+                + (f" x context_parallel_degree ({cp})" if cp > 1 else "") + f" = {fixed}"
             )
         if rep == -1:
             rep = world_size // fixed
         else:
             shard = world_size // fixed
-    if rep * shard * tp * pp != world_size:
+    if rep * shard * tp * pp * cp != world_size:
         raise ConfigError(
             f"parallel degrees must multiply to the world size {world_size}: "
             f"data_parallel_replicate_degree ({rep}) x data_parallel_shard_degree ({shard}) x "
-            f"tensor_parallel_degree ({tp}) x pipeline_parallel_degree ({pp}) = {rep * shard * tp * pp}"
+            f"tensor_parallel_degree ({tp}) x pipeline_parallel_degree ({pp})"
+            + (f" x context_parallel_degree ({cp})" if cp > 1 else "") + f" = {rep * shard * tp * pp * cp}"
         )
     return rep, shard, tp, pp
 

@@ -16,9 +16,13 @@ if TYPE_CHECKING:  # torch is imported where it is used: the layout is also desc
 class ParallelDims:
     """Degrees of each parallel dimension; their product is the world size.
 
-    Mesh dimensions, outermost first: ``pp`` (pipeline stages), ``dp_replicate`` (HSDP replicas, across
-    nodes), ``dp_shard`` (FSDP, inside a node), ``tp`` (tensor parallel, innermost so it stays on the
-    fastest links). ``dp`` is ``dp_replicate x dp_shard`` flattened: the ranks that see different data.
+    Mesh dimensions, outermost first (torchtitan's order): ``pp`` (pipeline stages), ``dp_replicate`` (HSDP
+    replicas, across nodes), ``dp_shard`` (FSDP, inside a node), ``cp`` (context parallel: the ranks that
+    split each sequence), ``tp`` (tensor parallel, innermost so it stays on the fastest links). Flattened
+    dimensions: ``dp`` = ``dp_replicate x dp_shard``, the ranks that see different data (the loader's);
+    ``dp_shard_cp`` = ``dp_shard x cp``, what FSDP shards parameters over (CP ranks hold the same parameters
+    and average their gradients, as data-parallel ranks do); ``dp_cp`` = ``dp_replicate x dp_shard x cp``,
+    what the loss and metrics are averaged over.
     """
 
     dp_replicate: int
@@ -26,35 +30,51 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    cp: int = 1
 
     @classmethod
     def from_config(cls, cfg: Parallelism, world_size: int) -> "ParallelDims":
         rep, shard, tp, pp = resolve_degrees(cfg, world_size)
-        return cls(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, world_size=world_size)
+        return cls(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, world_size=world_size,
+                   cp=cfg.context_parallel_degree)
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def dp_cp(self) -> int:
+        """Ranks whose losses and gradients are averaged: data parallel and context parallel."""
+        return self.dp * self.cp
+
+    @property
     def fsdp_enabled(self) -> bool:
-        return self.dp > 1
+        return self.dp_cp > 1
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         from torch.distributed.device_mesh import init_device_mesh
 
         from trainer.torch_compat import flatten_mesh
 
-        names = ("pp", "dp_replicate", "dp_shard", "tp")
-        shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        names = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+        shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
         # Kept here: slicing a flattened dimension from the root mesh is deprecated.
         self.dp_mesh = flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
+        self.dp_cp_mesh = flatten_mesh(mesh["dp_replicate", "dp_shard", "cp"], "dp_cp") if self.cp > 1 else self.dp_mesh
+        # FSDP's mesh: (dp_replicate, dp_shard_cp) for HSDP, dp_shard_cp alone otherwise.
+        self.fsdp_mesh = None
+        if self.fsdp_enabled:
+            shard = flatten_mesh(mesh["dp_shard", "cp"], "dp_shard_cp") if self.cp > 1 else mesh["dp_shard"]
+            self.fsdp_mesh = mesh["dp_replicate", "dp_shard_cp" if self.cp > 1 else "dp_shard"] \
+                if self.dp_replicate > 1 else shard
         return mesh
 
     def describe(self) -> str:
-        parts = [f"{k}={v}" for k, v in (("pp", self.pp), ("dp_replicate", self.dp_replicate),
-                                           ("dp_shard", self.dp_shard), ("tp", self.tp))]
+        dims = [("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard)]
+        # cp only when used: a layout without it reads as before (logs, checkpoints' layout field)
+        dims += [("cp", self.cp)] if self.cp > 1 else []
+        parts = [f"{k}={v}" for k, v in (*dims, ("tp", self.tp))]
         return f"world {self.world_size}: " + ", ".join(parts)
 
 

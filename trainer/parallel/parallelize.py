@@ -56,11 +56,17 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, config: 
                  config.activation_checkpoint)
     if config.compile.enable and "model" in config.compile.components:
         apply_compile(model, config.compile.backend)
+    if dims.cp > 1:
+        from trainer.parallel.context import ContextParallel
+
+        model.context_parallel = ContextParallel(mesh["cp"].get_group(), dims.cp, mesh["cp"].get_local_rank(),
+                                                 config.parallelism.context_parallel_rotate_method,
+                                                 sequence_shards=dims.tp)
     if dims.fsdp_enabled:
-        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+        # dp_shard x cp (flattened), with dp_replicate as HSDP's outer dimension: ParallelDims.build_mesh.
         apply_fsdp(
             model,
-            dp_mesh,
+            dims.fsdp_mesh,
             param_dtype=param_dtype,
             reduce_dtype=DTYPES[config.training.mixed_precision_reduce],
             reshard_after_forward=config.parallelism.fsdp_reshard_after_forward,

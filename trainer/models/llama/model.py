@@ -278,7 +278,12 @@ class Transformer(nn.Module):
 
     Construction works on the meta device; materialise with
     ``model.to_empty(device=...)`` followed by ``model.init_weights()``.
+
+    ``context_parallel`` (set by the parallelize step, trainer/parallel/context.py) makes the training
+    forward take each sequence's local share of the context-parallel split instead of the whole sequence.
     """
+
+    context_parallel = None
 
     def __init__(self, args: LlamaModelArgs):
         super().__init__()
@@ -422,7 +427,14 @@ class Transformer(nn.Module):
         the prompt).
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        if input_pos is None:
+        cp = self.context_parallel
+        if input_pos is None and cp is not None:
+            # Context parallel: h holds this rank's tokens of each sequence (trainer/parallel/context.py).
+            block_causal = self.args.attn_mask_type == "block_causal"
+            rope, mask = cp.model_inputs(self.rope_cache, h.shape[1] * cp.sequence_shards, positions,
+                                         block_causal=block_causal,
+                                         rope_restart=block_causal and self.args.rope_per_document)
+        elif input_pos is None:
             seqlen = h.shape[1]
             if seqlen > self.rope_cache.shape[0]:
                 raise ValueError(
