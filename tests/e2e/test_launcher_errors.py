@@ -58,8 +58,9 @@ def cases(tmp):
         ("unknown key", {}, ["--training.stepz", "5"], 2, "did you mean 'training.steps'"),
         ("wrong type", {}, ["--training.steps", "ten"], 2, "training.steps: expected int"),
         ("value after --no_", {}, ["--checkpoint.no_enable=true"], 2, "takes no value"),
-        ("context parallel", {}, ["--parallelism.context_parallel_degree", "2"], 2,
-         "parallelism.context_parallel_degree = 2 is not supported"),
+        ("context parallel degree that cannot split the sequence", {"NGPU": "2"},
+         ["--parallelism.context_parallel_degree", "2", "--training.seq_len", "66"], 2,
+         "training.seq_len (66) must be a multiple of 2 x context_parallel_degree (4)"),
         ("fault tolerance", {}, ["--fault_tolerance.enable"], 2, "fault_tolerance.group_size must be the number of "
                                                                  "replica groups"),
         ("RoPE restart without block_causal", {}, ["--model.rope_per_document"], 2,
