@@ -1,7 +1,7 @@
 """Context parallelism reproduces the single-process loss (real gloo processes, batched runs): CP 2 and CP 4 with
 both rotate methods, and CP beside FSDP, HSDP, tensor and pipeline parallelism, each with causal and
 block_causal attention (block_causal does not run under pipeline parallelism yet: causal only there), for 10
-steps within 1e-5 relative. A checkpoint saved at CP 2 resumes at CP 1 and at FSDP 2 with the same data and
+steps within 1e-5 relative, with activation checkpointing and validation in some of them. A checkpoint saved at CP 2 resumes at CP 1 and at FSDP 2 with the same data and
 losses. The data are short token-file documents (tests/assets/token_files), so every sequence packs several
 documents and block_causal's mask matters."""
 
@@ -13,6 +13,8 @@ STEPS = ["--training.steps", "10", "--debug.deterministic", "--training.global_b
 DOCS = ["--training.dataset", "numpy", "--training.dataset_path", "tests/assets/token_files/numpy"]
 MASKS = {"causal": [], "block": ["--model.attn_mask_type", "block_causal", "--model.rope_per_document"]}
 CP2, CP4 = (["--parallelism.context_parallel_degree", str(n)] for n in (2, 4))
+VALIDATION = ["--validation.enable", "--validation.freq", "5", "--validation.steps", "2", "--validation.dataset",
+              "numpy", "--validation.dataset_path", "tests/assets/token_files/numpy"]
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.last_save_model_only", "false"]
 
 
@@ -20,19 +22,23 @@ def method(name: str) -> list[str]:
     return ["--parallelism.context_parallel_rotate_method", name]
 
 
-REFERENCE = {mask: spec(f"cp_reference_{mask}", 1, *STEPS, *DOCS, *extra, "--training.local_batch_size", "8")
+REFERENCE = {mask: spec(f"cp_reference_{mask}", 1, *STEPS, *DOCS, *extra, *VALIDATION, "--training.local_batch_size",
+                        "8")
              for mask, extra in MASKS.items()}
 
 # name: (processes, local batch size (x data-parallel degree = 8), arguments); each runs with both masks
 # (pipeline parallel: causal only). The methods alternate over the composed layouts, so each composition
-# meets each method once with one of the masks.
+# meets each method once with one of the masks. Some also validate (the validation loss is compared too; only
+# without data parallelism, where the validation batches are the single process's) or checkpoint
+# activations (which must change nothing).
 LAYOUTS = {
     "cp2_allgather": (2, 8, [*CP2, *method("allgather")]),
-    "cp2_alltoall": (2, 8, [*CP2, *method("alltoall")]),
+    "cp2_alltoall": (2, 8, [*CP2, *method("alltoall"), *VALIDATION]),
     "cp4_allgather": (4, 8, [*CP4, *method("allgather")]),
     "cp4_alltoall": (4, 8, [*CP4, *method("alltoall")]),
-    "fsdp2_cp2": (4, 4, [*CP2]),
-    "tp2_cp2": (4, 8, [*CP2, "--parallelism.tensor_parallel_degree", "2"]),
+    "fsdp2_cp2": (4, 4, [*CP2, "--activation_checkpoint.mode", "selective"]),
+    "tp2_cp2": (4, 8, [*CP2, "--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "full",
+                       *VALIDATION]),
     "pp2_cp2": (4, 8, [*CP2, "--parallelism.pipeline_parallel_degree", "2",
                        "--parallelism.pipeline_parallel_microbatch_size", "2"]),
     "hsdp2_cp2": (4, 4, [*CP2, "--parallelism.data_parallel_replicate_degree", "2"]),
@@ -77,6 +83,9 @@ def test_context_parallel_matches_single_process(layout, mask, batches):
     # CP ranks of one data-parallel rank read the same batch: the data are the single process's.
     assert [got[s]["data_fingerprint"] for s in got] == [reference[s]["data_fingerprint"] for s in got]
     assert got[10]["tokens_seen"] == reference[10]["tokens_seen"]
+    if "--validation.enable" in LAYOUTS[layout][2]:
+        for step in (5, 10):
+            assert abs(got[step]["validation_loss"] / reference[step]["validation_loss"] - 1) <= 1e-5, step
 
 
 @pytest.mark.slow

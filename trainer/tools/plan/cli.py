@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,11 +30,15 @@ from trainer.dry_run import model_args_for_plan
 from trainer.parallel.config import resolve_degrees
 from trainer.tools.plan.memory import (
     AC_MODES,
+    CP_MIN_LOCAL_TOKENS,
     GPU_MEMORY_GIB,
     GiB,
     Layout,
+    Precision,
     Shape,
     checkpoint_staging_bytes,
+    context_parallel_bytes,
+    context_parallel_traffic,
     gpu_memory_gib,
     memory_estimate,
     search_layouts,
@@ -84,8 +89,11 @@ def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | No
     cpu_offload = config.training.enable_cpu_offload
 
     rep, shard, tp, pp = resolve_degrees(config.parallelism, ngpu)
+    cp, cp_method = config.parallelism.context_parallel_degree, config.parallelism.context_parallel_rotate_method
+    block_causal = config.model.attn_mask_type == "block_causal"
     configured = Layout(rep, shard, tp, pp, config.training.local_batch_size, seq_len, ac_name(config),
-                        config.parallelism.pipeline_parallel_microbatch_size)
+                        config.parallelism.pipeline_parallel_microbatch_size, cp=cp, cp_method=cp_method,
+                        block_causal=block_causal)
     est = memory_estimate(shape, configured, compute_dtype=compute_dtype, cpu_offload=cpu_offload,
                           reshard_after_forward=config.parallelism.fsdp_reshard_after_forward)
     gb = config.training.global_batch_size
@@ -93,7 +101,8 @@ def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | No
                           dp_replicate=rep if config.parallelism.data_parallel_replicate_degree != -1 else 1,
                           global_batch=gb,
                           max_local_batch=max_local_batch or max(16, config.training.local_batch_size),
-                          compute_dtype=compute_dtype, cpu_offload=cpu_offload, usable_fraction=usable_fraction)
+                          compute_dtype=compute_dtype, cpu_offload=cpu_offload, usable_fraction=usable_fraction,
+                          cp=cp, cp_method=cp_method, block_causal=block_causal)
 
     def layout_json(lay: Layout) -> dict:
         return dataclasses.asdict(lay) | {"describe": lay.describe()}
@@ -128,6 +137,13 @@ def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | No
     }
     if note:
         result["notes"].append(note)
+    if cp > 1:
+        result["context_parallel"] = _context_parallel(shape, configured, compute_dtype, args.n_layers)
+        if configured.local_seq_len < CP_MIN_LOCAL_TOKENS:
+            result["notes"].append(
+                f"warning: context_parallel_degree {cp} leaves {configured.local_seq_len} tokens of each sequence "
+                f"per rank, under {CP_MIN_LOCAL_TOKENS}: the collectives' latency is no longer hidden behind the "
+                "attention and matmuls; use a lower degree (or none) at this seq_len")
     if "quantize.linear.float8" in config.model.converters or config.compile.enable:
         result["notes"].append("estimate is for eager bf16; compile and float8 usually need less activation memory")
     _recommend(result, rows, configured, gb, ngpu, gpu, layout_json, est_gib)
@@ -136,6 +152,21 @@ def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | No
                                      "fits": r["fits"], "grad_accum_steps": r["grad_accum_steps"]})
     result["measured"] = _measured_rows(config, configured, ngpu, est, measured)
     return result
+
+
+def _context_parallel(shape: Shape, layout: Layout, compute_dtype: str, n_layers: int) -> dict[str, Any]:
+    """What context parallelism does to this layout: tokens per rank, the collectives' bytes per block and
+    per step, and the activation memory it adds (the gathered keys/values and the dense mask)."""
+    c = 4 if compute_dtype == "float32" else 2
+    per_block = context_parallel_traffic(shape, layout, c, layout.local_batch_size)
+    precision = Precision.for_layout(layout, compute_dtype)
+    layers = math.ceil(n_layers / layout.pp)
+    return {"degree": layout.cp, "rotate_method": layout.cp_method, "tokens_per_rank_per_sequence": layout.local_seq_len,
+            "collective_gib_per_block": {k: round(v / GiB, 4) for k, v in per_block.items()},
+            "collective_gib_per_micro_batch": round(layers * sum(per_block.values()) / GiB, 3),
+            "added_activations_gib": round(context_parallel_bytes(shape, precision, layout, layers,
+                                                                  layout.local_batch_size) / GiB, 3),
+            "min_tokens_per_rank": CP_MIN_LOCAL_TOKENS}
 
 
 # How long each checkpoint.async_mode holds its staging copy of the rank's state, in host memory.
@@ -224,6 +255,14 @@ def format_report(r: dict) -> str:
     h = r["host"]
     lines.append(f"  host memory per rank: checkpoint staging {h['checkpoint_staging_gib']:.3f} GiB "
                  f"(checkpoint.async_mode {h['checkpoint_async_mode']}: {h['held']})")
+    if "context_parallel" in r:
+        cp = r["context_parallel"]
+        traffic = cp["collective_gib_per_block"]
+        lines.append(f"  context parallel {cp['degree']} ({cp['rotate_method']}): {cp['tokens_per_rank_per_sequence']} "
+                     f"tokens per sequence per rank; collectives {traffic['forward']:.4f} GiB forward + "
+                     f"{traffic['backward']:.4f} GiB backward per block ({cp['collective_gib_per_micro_batch']:.3f} GiB "
+                     f"per micro-batch); {cp['added_activations_gib']:.3f} GiB of the activations are CP's "
+                     "(gathered keys/values, mask)")
     for row in r["measured"]:
         lines.append(f"  measured peak ({row['variant']}): {row['measured_gib']:.2f} GiB vs estimate {row['estimate_gib']:.2f}")
     lines.append("")

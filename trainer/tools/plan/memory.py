@@ -157,14 +157,27 @@ class Layout:
     seq_len: int
     ac: str = "none"  # none | selective_op | selective_N (N an integer) | full
     pp_microbatch_size: int = 1
+    cp: int = 1  # context parallel: each sequence split over cp ranks
+    cp_method: str = "allgather"
+    block_causal: bool = False
 
     @property
     def ngpu(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_shard(self) -> int:
+        """Ranks the parameters are sharded over: dp_shard x cp (CP ranks hold the same parameters)."""
+        return self.dp_shard * self.cp
+
+    @property
+    def local_seq_len(self) -> int:
+        """Tokens of each sequence on one rank (the whole sequence without context parallelism)."""
+        return self.seq_len // self.cp
 
     def describe(self) -> str:
         parts = []
@@ -175,6 +188,8 @@ class Layout:
             parts.append(f"tp {self.tp}")
         if self.pp > 1:
             parts.append(f"pp {self.pp}")
+        if self.cp > 1:
+            parts.append(f"cp {self.cp} ({self.cp_method})")
         parts.append(f"ac {self.ac}")
         parts.append(f"local batch {self.local_batch_size} x {self.seq_len}")
         return ", ".join(parts)
@@ -192,7 +207,7 @@ class Precision:
 
     @classmethod
     def for_layout(cls, layout: Layout, compute_dtype: str) -> "Precision":
-        fsdp = layout.dp > 1
+        fsdp = layout.dp * layout.cp > 1
         if compute_dtype == "float32":
             return cls("float32", 4, 4, fsdp)
         if fsdp:
@@ -229,6 +244,51 @@ def layer_bytes_selective_op(s: Shape, p: Precision, tp: int = 1) -> float:
     c = p.compute
     kept = c * (s.dim + s.kv_dim + s.ffn + s.dim + s.dim) + 4 * s.n_heads
     return p.residual * s.dim / tp + kept / tp
+
+
+def context_parallel_bytes(s: Shape, p: Precision, layout: Layout, layers: int, sequences: int) -> float:
+    """What context parallelism adds to a rank's activations for ``sequences`` sequences: with ``allgather``
+    each block not checkpointed saves the gathered keys and values of the whole sequence (the other ranks'
+    shares: ``(cp - 1) x local tokens x 2 kv x c``) for attention's backward; the dense attention mask
+    (bool, one byte an entry, shared by all blocks): ``local x seq`` (allgather; one for the batch when
+    causal, one per sequence with block_causal), ``seq x seq`` per sequence (alltoall with block_causal),
+    none (alltoall, causal: SDPA's own causal kernel)."""
+    cp = layout.cp
+    if cp == 1:
+        return 0.0
+    local, seq = layout.local_seq_len, layout.seq_len
+    kept = layers - checkpointed_layers(layers, layout.ac) if layout.ac != "selective_op" else 0
+    if layout.cp_method == "allgather":
+        kv = kept * (cp - 1) * sequences * local * 2 * p.compute * s.kv_dim / layout.tp
+        mask = local * seq * (sequences if layout.block_causal else 1)
+        return kv + mask
+    return seq * seq * sequences if layout.block_causal else 0.0
+
+
+def context_parallel_traffic(s: Shape, layout: Layout, compute_bytes: int, sequences: int) -> dict[str, float]:
+    """Bytes one rank's CP collectives move per transformer block for ``sequences`` sequences (forward and
+    backward; a recomputed block repeats its forward's), in the buffers the simulator counts: ``allgather``
+    all-gathers the keys and values (the gathered tensor, ``cp x local x 2 kv``) and reduce-scatters their
+    gradients (the same size); ``alltoall`` exchanges q, k, v (k and v repeated to the query heads when
+    their heads do not divide by cp) and the output, each ``local x width``, and their gradients back."""
+    tokens = sequences * layout.local_seq_len
+    kv = s.kv_dim / layout.tp
+    if layout.cp_method == "allgather":
+        one = layout.cp * tokens * 2 * kv * compute_bytes
+        return {"forward": one, "backward": one}
+    heads_kv = s.kv_dim * s.n_heads // s.dim // layout.tp
+    kv_sent = kv if heads_kv % layout.cp == 0 else s.dim / layout.tp
+    one = tokens * compute_bytes * (2 * s.dim / layout.tp + 2 * kv_sent)
+    return {"forward": one, "backward": one}
+
+
+# Below this many tokens of a sequence per CP rank, context parallelism rarely pays: a block's collectives
+# move bytes in proportion to its compute (both grow with the local tokens), so what stays exposed is each
+# collective's fixed latency (tens of microseconds, 2 per block forward and 2 backward with allgather, 8
+# with alltoall) against matmuls that shrink with the local tokens and lose efficiency below a few
+# thousand rows (the same 4096 tokens the layout search prefers per micro-batch). Above it, a block's
+# matmuls take milliseconds on current GPUs for models of a billion parameters and more.
+CP_MIN_LOCAL_TOKENS = 4096
 
 
 def checkpointed_layers(layers: int, ac: str) -> int:
@@ -282,7 +342,7 @@ def memory_estimate(s: Shape, layout: Layout, *, compute_dtype: str = "bfloat16"
     the step's largest moment (``_peak``)."""
     p = Precision.for_layout(layout, compute_dtype)
     tp, pp = layout.tp, layout.pp
-    shard = layout.dp_shard
+    shard = layout.fsdp_shard
     layers = _stage_layers(s.n_layers, pp)
 
     def stage_terms(first: bool, last: bool) -> dict[str, float]:
@@ -318,14 +378,16 @@ def memory_estimate(s: Shape, layout: Layout, *, compute_dtype: str = "bfloat16"
             out["weight_copies"] = 0.0
         if pp > 1:
             # 1F1B: the first stage holds the activations of up to pp micro-batches, the last one of one.
-            tokens = layout.pp_microbatch_size * layout.seq_len
+            sequences = layout.pp_microbatch_size
             microbatches = max(1, layout.local_batch_size // layout.pp_microbatch_size)
             in_flight = min(pp, microbatches) if first else 1
         else:
-            tokens = layout.local_batch_size * layout.seq_len
+            sequences = layout.local_batch_size
             in_flight = 1
+        tokens = sequences * layout.local_seq_len  # this rank's share of each sequence under CP
         act = layers_activation_bytes(s, p, layers, tokens, layout.ac, tp)
-        out["activations"] = act["layers"] * in_flight
+        cp_act = context_parallel_bytes(s, p, layout, layers, sequences)
+        out["activations"] = (act["layers"] + cp_act) * in_flight
         out["recompute"] = act["recompute"]
         if last:
             head = head_bytes(s, p, tokens, tp, logits_kept=pp > 1)
@@ -379,7 +441,7 @@ def _peak(out: dict, s: Shape, layout: Layout, p: Precision, layers: int, first:
     if p.fsdp and layout.pp > 1:
         # torch's PipelineStage turns FSDP's gradient reduction off until the last micro-batch: every rank
         # accumulates its stage's unsharded gradients in fp32, and after a backward the units stay gathered.
-        unsharded = out["params"] * layout.dp_shard / 4
+        unsharded = out["params"] * layout.fsdp_shard / 4
         loss, blocks = loss + 4 * unsharded, blocks + 4 * unsharded
         end = state + (c + 4) * unsharded + (c + 4) * root + full_vocab_grad
     return max(loss, blocks, end)
@@ -408,26 +470,29 @@ def _recompute_rank(ac: str) -> int:
 def search_layouts(s: Shape, ngpu: int, *, seq_len: int, capacity_bytes: float, pp: int = 1,
                    dp_replicate: int = 1, global_batch: int = -1, max_local_batch: int = 16,
                    compute_dtype: str = "bfloat16", cpu_offload: bool = False, usable_fraction: float = 0.9,
-                   max_tp: int = 8, min_tokens: int = 4096) -> list[dict]:
+                   max_tp: int = 8, min_tokens: int = 4096, cp: int = 1, cp_method: str = "allgather",
+                   block_causal: bool = False) -> list[dict]:
     """Every (tp, fsdp, ac, local batch) for ``ngpu`` GPUs with its estimate, fitting ones first, best first.
 
     Order among fitting layouts (a preference, not a throughput model): the smallest TP degree (TP costs
     communication on every layer); then micro-batches of at least ``min_tokens`` tokens where possible
     (small matmuls waste the GPU); then the least recomputation (none < selective op < selective N < full);
-    then the largest local batch (fewer accumulation steps)."""
+    then the largest local batch (fewer accumulation steps). A context-parallel degree ``cp`` is kept as
+    given."""
     rows = []
     for tp in (1, 2, 4, 8):
-        if tp > max_tp or ngpu % (tp * pp * dp_replicate):
+        if tp > max_tp or ngpu % (tp * pp * dp_replicate * cp):
             continue
         if s.n_heads % tp or (s.kv_dim // (s.dim // s.n_heads)) % tp:
             continue
-        shard = ngpu // (tp * pp * dp_replicate)
+        shard = ngpu // (tp * pp * dp_replicate * cp)
         dp = shard * dp_replicate
         lb = 1
         while lb <= max_local_batch:
             if global_batch <= 0 or global_batch % (lb * dp) == 0:
                 for ac in AC_MODES:
-                    layout = Layout(dp_replicate, shard, tp, pp, lb, seq_len, ac)
+                    layout = Layout(dp_replicate, shard, tp, pp, lb, seq_len, ac, cp=cp, cp_method=cp_method,
+                                    block_causal=block_causal)
                     est = memory_estimate(s, layout, compute_dtype=compute_dtype, cpu_offload=cpu_offload)
                     fits = est["total"] <= usable_fraction * capacity_bytes
                     accum = (global_batch // (lb * dp)) if global_batch > 0 else 1
@@ -436,7 +501,7 @@ def search_layouts(s: Shape, ngpu: int, *, seq_len: int, capacity_bytes: float, 
 
     def key(row):
         lay: Layout = row["layout"]
-        tokens = lay.local_batch_size * lay.seq_len
+        tokens = lay.local_batch_size * lay.local_seq_len
         return (not row["fits"], lay.tp, -min(tokens, min_tokens), _recompute_rank(lay.ac), -lay.local_batch_size)
 
     rows.sort(key=key)

@@ -62,7 +62,7 @@ def sharded_elements(param_shapes: dict[str, tuple[int, ...]], dims: ParallelDim
     """Elements of this rank's parameter shards: each parameter's TP-local shape, split over the FSDP
     shards along dim 0 with FSDP2's padding (every shard holds ceil(dim0 / dp_shard) rows)."""
     total = 0
-    shard = dims.dp_shard if dims.fsdp_enabled else 1
+    shard = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1  # FSDP shards over dp_shard x cp
     for name, shape in param_shapes.items():
         local = local_shape(name, shape, dims.tp)
         rows = math.ceil(local[0] / shard)
@@ -103,14 +103,41 @@ def fsdp_collectives(s: Shape, dims: ParallelDims, stage: Stage, compute_bytes: 
         regathered = max(0, layers - 1) * block + embedding
     held = layers * block + root
     out: dict[tuple[str, str], float] = {}
-    shard_group = "dp_shard" if dims.dp_shard > 1 else "dp_replicate"
-    if dims.dp_shard > 1:
+    shard = dims.dp_shard * dims.cp  # context parallel: FSDP shards over the flattened dp_shard x cp
+    shard_group = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
+    if shard > 1:
         gathered = held + regathered
         out[("all_gather", shard_group)] = compute_bytes * gathered
         out[("reduce_scatter", shard_group)] = reduce_bytes * held
     if dims.dp_replicate > 1:
-        out[("all_reduce", "dp_replicate")] = reduce_bytes * held / dims.dp_shard
+        out[("all_reduce", "dp_replicate")] = reduce_bytes * held / shard
     return out
+
+
+def cp_collectives(s: Shape, dims: ParallelDims, stage: Stage, sequences: int, seq_len: int, compute_bytes: int,
+                   ac: str, method: str, device_type: str) -> dict[tuple[str, str], float]:
+    """Context-parallel bytes of one micro-batch (trainer/parallel/context.py), per block as ``trainer plan``
+    counts them (``context_parallel_traffic``): ``allgather`` all-gathers keys and values in forward and
+    returns their gradients in backward (a reduce-scatter on CUDA; an all-to-all then a sum where the
+    backend has no reduce-scatter, as gloo on CPU); ``alltoall`` exchanges q, k, v and the output both ways.
+    Recomputation repeats the forward's collectives of every checkpointed block (activation checkpointing
+    saves no collective's output)."""
+    from trainer.tools.plan.memory import Layout as PlanLayout
+    from trainer.tools.plan.memory import context_parallel_traffic
+
+    if dims.cp == 1:
+        return {}
+    layout = PlanLayout(dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, sequences, seq_len, cp=dims.cp,
+                        cp_method=method)
+    per_block = context_parallel_traffic(s, layout, compute_bytes, sequences)
+    layers = stage.layers
+    recomputed = 0 if ac == "none" else layers if ac in ("full", "selective_op") else \
+        math.ceil(layers / int(ac.split("_", 1)[1]))
+    forward = per_block["forward"] * (layers + recomputed)
+    if method == "allgather":
+        backward_kind = "reduce_scatter" if device_type == "cuda" else "all_to_all"
+        return {("all_gather", "cp"): forward, (backward_kind, "cp"): per_block["backward"] * layers}
+    return {("all_to_all", "cp"): forward + per_block["backward"] * layers}
 
 
 def tp_collectives(s: Shape, dims: ParallelDims, stage: Stage, tokens: int, compute_bytes: int,
@@ -199,7 +226,9 @@ def plan_memory(s: Shape, dims: ParallelDims, config, stage: Stage) -> dict:
 
     t, p = config.training, config.parallelism
     layout = PlanLayout(dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, t.local_batch_size, t.seq_len,
-                        ac_name(config), p.pipeline_parallel_microbatch_size)
+                        ac_name(config), p.pipeline_parallel_microbatch_size, cp=dims.cp,
+                        cp_method=p.context_parallel_rotate_method,
+                        block_causal=config.model.attn_mask_type == "block_causal")
     compute = "float32" if t.mixed_precision_param == "float32" else "bfloat16"
     which = "first" if stage.first else "last" if stage.last else "middle"
     est = memory_estimate(s, layout, compute_dtype=compute, cpu_offload=t.enable_cpu_offload,

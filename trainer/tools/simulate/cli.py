@@ -195,15 +195,22 @@ def analytic_for(config, args, layout, view) -> dict:
     stage = _stage_for_rank(args, layout, view.rank)
     c = DTYPES[t.mixed_precision_param].itemsize
     r = DTYPES[t.mixed_precision_reduce].itemsize
-    tokens = t.local_batch_size * t.seq_len
+    tokens = t.local_batch_size * t.seq_len // dims.cp  # this rank's share of the sequences under CP
     from trainer.tools.plan.cli import ac_name
+    from trainer.tools.simulate.world import SIM_DEVICE
 
     ac = ac_name(config)
     comm = {}
     comm.update(analytic.fsdp_collectives(s, dims, stage, c, r, config.parallelism.fsdp_reshard_after_forward))
     comm.update(analytic.tp_collectives(s, dims, stage, tokens, c, ac))
+    cp_sequences = t.local_batch_size if dims.pp == 1 else config.parallelism.pipeline_parallel_microbatch_size
+    cp_comm = analytic.cp_collectives(s, dims, stage, cp_sequences, t.seq_len, c, ac,
+                                      config.parallelism.context_parallel_rotate_method, SIM_DEVICE)
+    if dims.pp > 1:  # per micro-batch of the schedule, as many as the local batch holds
+        cp_comm = {k: v * layout.microbatches for k, v in cp_comm.items()}
+    comm.update(cp_comm)
     act_bytes = c if dims.fsdp_enabled else 4
-    mb_tokens = config.parallelism.pipeline_parallel_microbatch_size * t.seq_len
+    mb_tokens = config.parallelism.pipeline_parallel_microbatch_size * t.seq_len // dims.cp
     comm.update(analytic.pipeline_p2p(s, dims, stage, layout.microbatches, mb_tokens, act_bytes))
     elements = analytic.sharded_elements(view.param_shapes, dims)
     return {

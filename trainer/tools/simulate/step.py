@@ -248,7 +248,8 @@ def _step_plain(view: RankView, config, batch, measured: Measured) -> None:
     inputs, labels = batch
     steps.forward_backward(view.parts[0], [{"input": inputs, "labels": labels}], device=SIM_DEVICE,
                            autocast=_autocast(view), parallel_loss=_parallel_loss(view, config),
-                           loss_fn=steps.loss_fn, mark=measured.mark)
+                           loss_fn=steps.loss_fn, mark=measured.mark,
+                           context_parallel=getattr(view.parts[0], "context_parallel", None))
 
 
 def _step_pipeline(view: RankView, config, batch) -> None:
@@ -258,7 +259,8 @@ def _step_pipeline(view: RankView, config, batch) -> None:
     steps.forward_backward_pipeline(view.schedule, [{"input": inputs, "labels": labels}],
                                     pipeline_loss=view.pipeline_loss, device=SIM_DEVICE, autocast=_autocast(view),
                                     parallel_loss=_parallel_loss(view, config), has_first=view.first,
-                                    has_last=view.last)
+                                    has_last=view.last,
+                                    context_parallel=getattr(view.parts[0], "context_parallel", None))
 
 
 def _clip_and_step(view: RankView, config) -> None:

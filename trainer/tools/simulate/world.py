@@ -222,9 +222,11 @@ def group_labels(view: RankView) -> dict[str, tuple[str, int]]:
     for name in mesh.mesh_dim_names:
         group = mesh.get_group(name)
         labels[group.group_name] = (name, group.size())
-    dp_mesh = getattr(view.dims, "dp_mesh", None)
-    if dp_mesh is not None:
-        group = dp_mesh.get_group()
-        labels.setdefault(group.group_name, ("dp", group.size()))
+    # Flattened dimensions: dp (the loader's), and with context parallel dp_shard_cp (FSDP's) and dp_cp.
+    for attr, name in (("dp_mesh", "dp"), ("fsdp_mesh", "dp_shard_cp"), ("dp_cp_mesh", "dp_cp")):
+        flat = getattr(view.dims, attr, None)
+        if flat is not None and flat.ndim == 1:
+            group = flat.get_group()
+            labels.setdefault(group.group_name, (name, group.size()))
     labels.setdefault(dist.group.WORLD.group_name, ("world", dist.get_world_size()))
     return labels
