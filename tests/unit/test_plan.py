@@ -242,3 +242,27 @@ def test_checkpoint_staging_host_memory(capsys):
     gib = 12 * count_params(model_args_for_plan(config)[0]) / 2 / 2**30
     assert (f"host memory per rank: checkpoint staging {gib:.3f} GiB (checkpoint.async_mode async_with_pinned_mem: "
             "kept for the whole run, pinned on CUDA)") in out, out
+
+
+def test_context_parallel_divides_activations_and_adds_its_own_terms(capsys):
+    """CP 4 holds a quarter of each sequence per rank (the same activations as a quarter-length sequence)
+    plus, with allgather, the other ranks' keys and values and the dense mask; the parameters are sharded
+    over dp_shard x cp. The plan reports the collectives per block and warns below 4096 tokens per rank."""
+    s = Shape(dim=64, n_layers=2, n_heads=4, kv_dim=32, ffn=128, vocab=256, tied=False)
+    quarter = memory_estimate(s, Layout(1, 4, 1, 1, 1, 2048, "none"))
+    for method in ("allgather", "alltoall"):
+        cp = memory_estimate(s, Layout(1, 1, 1, 1, 1, 8192, "none", cp=4, cp_method=method))
+        assert cp["params"] == quarter["params"] and cp["final_norm"] == quarter["final_norm"]
+        gathered = 2 * 3 * 2048 * 2 * 2 * 32 if method == "allgather" else 0  # layers x (cp-1) x local x k,v x bf16
+        mask = 2048 * 8192 if method == "allgather" else 0  # causal alltoall: SDPA's own causal kernel
+        assert cp["activations"] == quarter["activations"] + gathered + mask
+    config = load_config(["--job.config_file", str(CONFIGS["llama3_8b"]), "--parallelism.context_parallel_degree", "4",
+                          "--training.seq_len", "8192", "--parallelism.data_parallel_shard_degree", "2"], env={})
+    short = plan(config, ngpu=8, gpu="H100")
+    assert short["context_parallel"]["tokens_per_rank_per_sequence"] == 2048
+    assert any("leaves 2048 tokens of each sequence per rank, under 4096" in n for n in short["notes"])
+    traffic = short["context_parallel"]["collective_gib_per_block"]
+    # One sequence: the gathered keys and values, 4 x 2048 tokens x 2 x 1024 wide in bf16, each way.
+    assert traffic["forward"] == traffic["backward"] == round(4 * 2048 * 2 * 1024 * 2 / 2**30, 4)
+    config.training.seq_len = 32768
+    assert not any("under 4096" in n for n in plan(config, ngpu=8, gpu="H100")["notes"])

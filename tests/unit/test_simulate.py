@@ -159,3 +159,29 @@ def test_progress_bar_time_left_follows_the_pace_after_the_first_block(monkeypat
     assert "forward 24/80" in last and "~216 s left" in last, last  # 240 - 24 units at 1 s each
     bar.set_phase("optimizer")
     assert "left" not in out.getvalue().strip().splitlines()[-1]
+
+
+def test_context_parallel_counts_local_tokens_and_its_collectives():
+    """CP 2 beside FSDP 2 (one block of the 8B) against FSDP 4 at the same tokens per rank: the parameters
+    are sharded over dp_shard x cp, the memory is the same (simulated and planned), the FLOPs are those of
+    the rank's half of each sequence against all its keys, and the K/V all-gather over cp and its backward
+    are the formula's bytes."""
+    cp = simulate(_config("--parallelism.data_parallel_shard_degree", "2", "--parallelism.context_parallel_degree",
+                          "2", "--training.seq_len", "1024", "--training.global_batch_size", "2"), 4, layers=1)
+    fsdp = simulate(_config("--parallelism.data_parallel_shard_degree", "4", "--training.seq_len", "512",
+                            "--training.global_batch_size", "4"), 4, layers=1)
+    assert cp["layout"] == "world 4: pp=1, dp_replicate=1, dp_shard=2, cp=2, tp=1"
+    (row,), (ref,) = cp["roles"], fsdp["roles"]
+    mem, a = row["memory"], row["analytic"]
+    assert mem["after_step"]["params"] == a["param_bytes"] == ref["analytic"]["param_bytes"]
+    assert sum(row["flops"].values()) == pytest.approx(a["flops"]["total"], rel=0.01)
+    # Attention of 512 local queries over 1024 keys: more than FSDP 4's 512 over 512, the rest the same.
+    assert a["flops"]["total"] > ref["analytic"]["flops"]["total"]
+    for (term, sim, plan), (_, sim_ref, plan_ref) in zip(memory_rows(row), memory_rows(ref)):
+        assert sim == pytest.approx(sim_ref, rel=0.01), term
+        assert plan == (None if plan_ref is None else pytest.approx(plan_ref, rel=0.01)), term
+    comm = _collectives(row)
+    for key in [("all_gather", "cp"), ("all_to_all", "cp"), ("all_gather", "dp_shard_cp"),
+                ("reduce_scatter", "dp_shard_cp")]:
+        assert comm[key]["bytes"] == pytest.approx(comm[key]["analytic_bytes"], rel=0.01), key
+    assert comm[("all_gather", "cp")]["group_size"] == 2 and comm[("all_gather", "dp_shard_cp")]["group_size"] == 4

@@ -56,8 +56,10 @@ class ParallelDims:
 
         from trainer.torch_compat import flatten_mesh
 
-        names = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-        shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+        # The cp dimension only when used: a layout without it keeps its mesh (and rank coordinates) as before.
+        dims = [("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard)]
+        dims += [("cp", self.cp)] if self.cp > 1 else []
+        names, shape = zip(*dims, ("tp", self.tp))
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
         # Kept here: slicing a flattened dimension from the root mesh is deprecated.
         self.dp_mesh = flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
