@@ -138,12 +138,7 @@ def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | No
     if note:
         result["notes"].append(note)
     if cp > 1:
-        result["context_parallel"] = _context_parallel(shape, configured, compute_dtype, args.n_layers)
-        if configured.local_seq_len < CP_MIN_LOCAL_TOKENS:
-            result["notes"].append(
-                f"warning: context_parallel_degree {cp} leaves {configured.local_seq_len} tokens of each sequence "
-                f"per rank, under {CP_MIN_LOCAL_TOKENS}: the collectives' latency is no longer hidden behind the "
-                "attention and matmuls; use a lower degree (or none) at this seq_len")
+        _add_context_parallel(result, shape, configured, compute_dtype, args.n_layers)
     if "quantize.linear.float8" in config.model.converters or config.compile.enable:
         result["notes"].append("estimate is for eager bf16; compile and float8 usually need less activation memory")
     _recommend(result, rows, configured, gb, ngpu, gpu, layout_json, est_gib)
@@ -154,14 +149,20 @@ def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | No
     return result
 
 
-def _context_parallel(shape: Shape, layout: Layout, compute_dtype: str, n_layers: int) -> dict[str, Any]:
-    """What context parallelism does to this layout: tokens per rank, the collectives' bytes per block and
-    per step, and the activation memory it adds (the gathered keys/values and the dense mask)."""
+def _add_context_parallel(result: dict, shape: Shape, layout: Layout, compute_dtype: str, n_layers: int) -> None:
+    """What context parallelism does to this layout, into ``result``: tokens per rank, the collectives'
+    bytes per block and per micro-batch, the activation memory it adds (the gathered keys/values and the
+    dense mask), and a warning when the sequence per CP rank is too short (``CP_MIN_LOCAL_TOKENS``)."""
     c = 4 if compute_dtype == "float32" else 2
     per_block = context_parallel_traffic(shape, layout, c, layout.local_batch_size)
     precision = Precision.for_layout(layout, compute_dtype)
     layers = math.ceil(n_layers / layout.pp)
-    return {"degree": layout.cp, "rotate_method": layout.cp_method, "tokens_per_rank_per_sequence": layout.local_seq_len,
+    if layout.local_seq_len < CP_MIN_LOCAL_TOKENS:
+        result["notes"].append(
+            f"warning: context_parallel_degree {layout.cp} leaves {layout.local_seq_len} tokens of each sequence "
+            f"per rank, under {CP_MIN_LOCAL_TOKENS}: the collectives' latency is no longer hidden behind the "
+            "attention and matmuls; use a lower degree (or none) at this seq_len")
+    result["context_parallel"] = {"degree": layout.cp, "rotate_method": layout.cp_method, "tokens_per_rank_per_sequence": layout.local_seq_len,
             "collective_gib_per_block": {k: round(v / GiB, 4) for k, v in per_block.items()},
             "collective_gib_per_micro_batch": round(layers * sum(per_block.values()) / GiB, 3),
             "added_activations_gib": round(context_parallel_bytes(shape, precision, layout, layers,

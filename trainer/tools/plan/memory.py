@@ -183,7 +183,10 @@ class Layout:
         parts = []
         if self.dp_replicate > 1:
             parts.append(f"replicate {self.dp_replicate}")
-        parts.append(f"fsdp {self.dp_shard}" if self.dp > 1 else "no data parallel (no FSDP)")
+        if self.dp > 1:
+            parts.append(f"fsdp {self.dp_shard}")
+        else:
+            parts.append("no data parallel (FSDP over cp)" if self.cp > 1 else "no data parallel (no FSDP)")
         if self.tp > 1:
             parts.append(f"tp {self.tp}")
         if self.pp > 1:
