@@ -230,6 +230,22 @@ def test_torchtitan_tomls_pass_a_dry_run_unchanged(name, tmp_path, monkeypatch, 
     assert report["status"] == "ok"
 
 
+@pytest.mark.parametrize("name,cp", [("debug_model", 2), ("llama3_70b", 4)])
+def test_torchtitan_tomls_with_context_parallel_pass_a_dry_run(name, cp, tmp_path, monkeypatch, capsys):
+    """torchtitan's files with context_parallel_degree set (nothing else changed) at cp x their world size."""
+    from trainer.train import main
+
+    text = (ASSETS / f"{name}.toml").read_text()
+    assert "context_parallel_degree = 1" in text
+    (tmp_path / "cp.toml").write_text(text.replace("context_parallel_degree = 1", f"context_parallel_degree = {cp}"))
+    make_tokenizer_folder(tmp_path / "tests" / "assets" / "tokenizer")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", str(TOMLS[name] * cp))
+    assert main(["--job.config_file", str(tmp_path / "cp.toml"), "--job.dry_run"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["status"] == "ok" and f"cp={cp}" in report["layout"]
+
+
 # --------------------------------------------------------------------------------------------------
 # docs/coming_from_torchtitan.md: the key table, generated here from the facts above
 # --------------------------------------------------------------------------------------------------
