@@ -1,4 +1,4 @@
-"""Evaluation spread over ranks: ``[eval]`` under FSDP, HSDP, tensor and pipeline parallel (the parity runs of
+"""Evaluation spread over ranks: ``[eval]`` under FSDP, HSDP, tensor, pipeline and context parallel (the parity runs of
 tests/support/parity.py evaluate at step 4, IN_TRAINING_EVAL) logs the scores ``trainer eval``
 gives on that step's checkpoint in one process, and close to a one-process run's scores; ``trainer eval``
 under torchrun (NGPU=2) equals one process."""
@@ -25,7 +25,8 @@ from torchtitan_ext.lm_eval_model import main as eval_main  # noqa: E402
 
 EVAL_SINGLE = spec("eval_single", 1, *STEPS, "--training.local_batch_size", "8", *IN_TRAINING_EVAL,
                    "--metrics.enable_tensorboard", "true")
-LAYOUT_RUNS = {"fsdp2": "layout_fsdp2", "hsdp2x2": "layout_hsdp2x2", "tp2": "layout_tp2", "pp2": "pp2_1F1B"}
+LAYOUT_RUNS = {"fsdp2": "layout_fsdp2", "hsdp2x2": "layout_hsdp2x2", "tp2": "layout_tp2", "pp2": "pp2_1F1B",
+               "cp2": "layout_cp2"}
 # trainer eval with the in-training settings: the model's RoPE table (training.seq_len) and eval.batch_size.
 OFFLINE = ["--max_length", "64", "--batch_size", "8", "--tasks", "tiny_mc,tiny_ppl,tiny_gen", "--include_path",
            str(EVAL_TASKS), "--limit", "6"]

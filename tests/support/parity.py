@@ -32,9 +32,10 @@ LAYOUTS = {
     "fsdp2_ac_selective_op": (2, 4, ["--activation_checkpoint.mode", "selective"]),
     "fsdp2_ac_selective_every2": (2, 4, ["--activation_checkpoint.mode", "selective",
                                          "--activation_checkpoint.selective_ac_option", "2"]),
+    "cp2": (2, 8, ["--parallelism.context_parallel_degree", "2"]),
 }
 # These also evaluate at step 4 (tests/distributed/test_eval.py).
-EVALUATED_LAYOUTS = ("fsdp2", "hsdp2x2", "tp2")
+EVALUATED_LAYOUTS = ("fsdp2", "hsdp2x2", "tp2", "cp2")
 for _name, (_nproc, _batch, _extra) in LAYOUTS.items():
     spec(f"layout_{_name}", _nproc, *STEPS, "--training.local_batch_size", str(_batch), *_extra,
          *(IN_TRAINING_EVAL if _name in EVALUATED_LAYOUTS else []))

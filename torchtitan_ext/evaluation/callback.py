@@ -114,6 +114,10 @@ class LMEvalCallback(Callback):
         parts = run.model_parts
         was_training = [part.training for part in parts]
         t0 = time.perf_counter()
+        # Requests are short and of any length: context parallelism is set aside for them; the CP ranks of a
+        # data-parallel rank answer the same requests whole, in lockstep with the others (the model stays
+        # sharded over them), as tensor-parallel ranks do.
+        split = [part.__dict__.pop("context_parallel", None) for part in parts]
         for part in parts:
             part.eval()
         try:
@@ -125,8 +129,10 @@ class LMEvalCallback(Callback):
                                    num_fewshot=cfg.num_fewshot, batch_size=cfg.batch_size, seed=cfg.seed,
                                    bootstrap_iters=cfg.bootstrap_iters)
         finally:
-            for part, mode in zip(parts, was_training):
+            for part, mode, cp in zip(parts, was_training, split):
                 part.train(mode)
+                if cp is not None:
+                    part.context_parallel = cp
         seconds = time.perf_counter() - t0
         out: dict[str, Any] = flatten_results(results)
         out["eval_time_s"] = round(seconds, 3)

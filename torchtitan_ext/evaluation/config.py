@@ -64,9 +64,11 @@ def check_config(config, world_size: int | None = None) -> None:
         raise ConfigError(f"eval.bootstrap_iters must be >= 0, got {e.bootstrap_iters}")
     if e.include_path and not Path(e.include_path).is_dir():
         raise ConfigError(f"eval.include_path: {e.include_path} is not a folder of task YAMLs")
-    if getattr(config.parallelism, "context_parallel_degree", 1) > 1:
-        raise ConfigError("eval.freq with parallelism.context_parallel_degree > 1: context parallelism splits "
-                          "every sequence and the evaluation does not follow it yet; evaluate the checkpoints "
-                          "with 'trainer eval' instead, or set eval.freq = 0")
+    p = config.parallelism
+    if getattr(p, "context_parallel_degree", 1) > 1 and p.pipeline_parallel_degree > 1:
+        raise ConfigError("eval.freq with context_parallel_degree > 1 and pipeline_parallel_degree > 1: the "
+                          "pipeline schedule's stages are shaped for each rank's share of the sequence, which "
+                          "evaluation requests do not have; evaluate the checkpoints with 'trainer eval' instead, "
+                          "or set eval.freq = 0")
     if importlib.util.find_spec("lm_eval") is None:
         raise ConfigError("eval.freq needs lm-eval: pip install 'lm-eval[hf]>=0.4.5' (the [eval] extra)")
