@@ -247,3 +247,9 @@ def test_eval_config_rules():
     for layout in (["--parallelism.tensor_parallel_degree", "2"], ["--parallelism.pipeline_parallel_degree", "2"]):
         validate(load_config(["--eval.freq", "5", "--eval.tasks", "tiny_mc", "--metrics.log_freq", "5", *layout],
                              env={}), 2, files=False)
+    # Context parallel too; beside pipeline parallel it is one line.
+    cp = ["--eval.freq", "5", "--eval.tasks", "tiny_mc", "--metrics.log_freq", "5",
+          "--parallelism.context_parallel_degree", "2"]
+    validate(load_config(cp, env={}), 2, files=False)
+    with pytest.raises(ConfigError, match="context_parallel_degree > 1 and pipeline_parallel_degree > 1"):
+        validate(load_config([*cp, "--parallelism.pipeline_parallel_degree", "2"], env={}), 4, files=False)
