@@ -1,9 +1,9 @@
-"""Context parallelism reproduces the single-process loss (real gloo processes, batched runs): CP 2 and CP 4 with
-both rotate methods, and CP beside FSDP, HSDP, tensor and pipeline parallelism, each with causal and
-block_causal attention (block_causal does not run under pipeline parallelism yet: causal only there), for 10
-steps within 1e-5 relative, with activation checkpointing and validation in some of them. A checkpoint saved at CP 2 resumes at CP 1 and at FSDP 2 with the same data and
-losses. The data are short token-file documents (tests/assets/token_files), so every sequence packs several
-documents and block_causal's mask matters."""
+"""Context parallelism reproduces the single-process loss (real gloo processes, batched runs): CP 2 and CP 4 with both
+rotate methods, and CP beside FSDP, HSDP, tensor and pipeline parallelism, each with causal and block_causal
+attention (block_causal does not run under pipeline parallelism yet: causal only there), for 10 steps within 1e-5
+relative, with activation checkpointing and validation in some of them. A checkpoint saved at CP 2 resumes at CP 1
+and at FSDP 2 with the same data and losses. The data are short token-file documents (tests/assets/token_files), so
+every sequence packs several documents and block_causal's mask matters."""
 
 import pytest
 

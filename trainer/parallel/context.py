@@ -11,8 +11,9 @@ Attention, with autograd-aware collectives (autograd Functions around ``torch.di
 NCCL on GPU):
 
 * ``allgather`` (Llama 3's method): keys and values are all-gathered over ``cp`` (one collective per layer;
-  its backward sums the gradients back to their owners), put back in sequence order, and the local queries
-  attend to them under the causal (or document) mask written for their global positions.
+  its backward sums the gradients back to their owners: an all-to-all and a sum), put back in sequence
+  order, and the local queries attend to them under the causal (or document) mask written for their global
+  positions.
 * ``alltoall`` (Ulysses): an all-to-all turns "local tokens, all heads" into "all tokens, heads / cp heads"
   before attention and another one turns it back after, so each rank runs ordinary attention over the whole
   sequence for its share of the heads. Key/value heads not divisible by ``cp`` are repeated to the query heads
@@ -36,9 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-# torch 2.13 renamed the tensor collectives (the old names warn); torch >= 2.11 is supported.
+# torch 2.13 renamed all_gather_into_tensor (the old name warns); torch >= 2.11 is supported.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 # The batch entries that run along the sequence (dimension 1) and are split.
 SEQUENCE_KEYS = ("input", "labels", "positions")
@@ -202,7 +202,8 @@ class ContextParallelMask:
 
 class _GatherShards(torch.autograd.Function):
     """All-gather over ``group`` into a new leading dimension (``[degree, *shape]``, rank order); backward
-    sums each rank's gradient of every shard back to its owner (a reduce-scatter)."""
+    sums each rank's gradient of every shard back to its owner (a reduce-scatter, as an all-to-all and a
+    sum)."""
 
     @staticmethod
     def forward(ctx, t: torch.Tensor, group, degree: int) -> torch.Tensor:
@@ -213,14 +214,11 @@ class _GatherShards(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        if grad.is_cuda:
-            mine = grad.new_empty(grad.shape[1:])
-            _REDUCE_SCATTER(mine, grad.flatten(0, 1), group=ctx.group)
-            return mine, None, None
-        # gloo has no reduce-scatter: rank j receives every rank's gradient of shard j and sums them.
-        received = torch.empty_like(grad)
-        dist.all_to_all_single(received, grad, group=ctx.group)
+        # A reduce-scatter written as an all-to-all and a sum: gloo has no reduce-scatter, and one code path
+        # on every backend is the one the CPU tests check (NCCL's reduce-scatter would save the receive
+        # buffer, the size of the gathered gradient, for as long as the sum takes).
+        received = torch.empty_like(grad, memory_format=torch.contiguous_format)
+        dist.all_to_all_single(received, grad.contiguous(), group=ctx.group)
         return received.sum(0), None, None
 
 

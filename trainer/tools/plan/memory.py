@@ -271,8 +271,8 @@ def context_parallel_bytes(s: Shape, p: Precision, layout: Layout, layers: int, 
 def context_parallel_traffic(s: Shape, layout: Layout, compute_bytes: int, sequences: int) -> dict[str, float]:
     """Bytes one rank's CP collectives move per transformer block for ``sequences`` sequences (forward and
     backward; a recomputed block repeats its forward's), in the buffers the simulator counts: ``allgather``
-    all-gathers the keys and values (the gathered tensor, ``cp x local x 2 kv``) and reduce-scatters their
-    gradients (the same size); ``alltoall`` exchanges q, k, v (k and v repeated to the query heads when
+    all-gathers the keys and values (the gathered tensor, ``cp x local x 2 kv``) and sends their gradients
+    back to their owners (an all-to-all of the same size, then a sum); ``alltoall`` exchanges q, k, v (k and v repeated to the query heads when
     their heads do not divide by cp) and the output, each ``local x width``, and their gradients back."""
     tokens = sequences * layout.local_seq_len
     kv = s.kv_dim / layout.tp

@@ -115,11 +115,11 @@ def fsdp_collectives(s: Shape, dims: ParallelDims, stage: Stage, compute_bytes: 
 
 
 def cp_collectives(s: Shape, dims: ParallelDims, stage: Stage, sequences: int, seq_len: int, compute_bytes: int,
-                   ac: str, method: str, device_type: str) -> dict[tuple[str, str], float]:
+                   ac: str, method: str) -> dict[tuple[str, str], float]:
     """Context-parallel bytes of one micro-batch (trainer/parallel/context.py), per block as ``trainer plan``
     counts them (``context_parallel_traffic``): ``allgather`` all-gathers keys and values in forward and
-    returns their gradients in backward (a reduce-scatter on CUDA; an all-to-all then a sum where the
-    backend has no reduce-scatter, as gloo on CPU); ``alltoall`` exchanges q, k, v and the output both ways.
+    returns their gradients in backward (an all-to-all, then a sum); ``alltoall`` exchanges q, k, v and the
+    output both ways.
     Recomputation repeats the forward's collectives of every checkpointed block (activation checkpointing
     saves no collective's output)."""
     from trainer.tools.plan.memory import Layout as PlanLayout
@@ -135,8 +135,7 @@ def cp_collectives(s: Shape, dims: ParallelDims, stage: Stage, sequences: int, s
         math.ceil(layers / int(ac.split("_", 1)[1]))
     forward = per_block["forward"] * (layers + recomputed)
     if method == "allgather":
-        backward_kind = "reduce_scatter" if device_type == "cuda" else "all_to_all"
-        return {("all_gather", "cp"): forward, (backward_kind, "cp"): per_block["backward"] * layers}
+        return {("all_gather", "cp"): forward, ("all_to_all", "cp"): per_block["backward"] * layers}
     return {("all_to_all", "cp"): forward + per_block["backward"] * layers}
 
 

@@ -197,7 +197,6 @@ def analytic_for(config, args, layout, view) -> dict:
     r = DTYPES[t.mixed_precision_reduce].itemsize
     tokens = t.local_batch_size * t.seq_len // dims.cp  # this rank's share of the sequences under CP
     from trainer.tools.plan.cli import ac_name
-    from trainer.tools.simulate.world import SIM_DEVICE
 
     ac = ac_name(config)
     comm = {}
@@ -205,7 +204,7 @@ def analytic_for(config, args, layout, view) -> dict:
     comm.update(analytic.tp_collectives(s, dims, stage, tokens, c, ac))
     cp_sequences = t.local_batch_size if dims.pp == 1 else config.parallelism.pipeline_parallel_microbatch_size
     cp_comm = analytic.cp_collectives(s, dims, stage, cp_sequences, t.seq_len, c, ac,
-                                      config.parallelism.context_parallel_rotate_method, SIM_DEVICE)
+                                      config.parallelism.context_parallel_rotate_method)
     if dims.pp > 1:  # per micro-batch of the schedule, as many as the local batch holds
         cp_comm = {k: v * layout.microbatches for k, v in cp_comm.items()}
     comm.update(cp_comm)
