@@ -204,10 +204,11 @@ def build_rank_view(config: JobConfig, args, layout: Layout, rank: int, mode) ->
 def stage_examples(config: JobConfig, args, dims: ParallelDims, compute_dtype: torch.dtype, stage: int,
                    num_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A stage's example input and output for one micro-batch (fake tensors): the first takes token ids, the
-    others the hidden state the previous stage passes on (the micro-batch's rows, its sequence split over TP
-    by sequence parallel, the width; the compute dtype under FSDP's mixed precision, else float32 under
-    autocast), which every stage but the last passes on; the last gives the logits."""
-    mb, seq = config.parallelism.pipeline_parallel_microbatch_size, config.training.seq_len
+    others the hidden state the previous stage passes on (the micro-batch's rows, its sequence (this rank's
+    share under context parallel) split over TP by sequence parallel, the width; the compute dtype under
+    FSDP's mixed precision, else float32 under autocast), which every stage but the last passes on; the last
+    gives the logits."""
+    mb, seq = config.parallelism.pipeline_parallel_microbatch_size, config.training.seq_len // dims.cp
     dtype = compute_dtype if dims.fsdp_enabled else torch.float32
     hidden = torch.empty(mb, seq // max(1, dims.tp), args.dim, dtype=dtype, device=SIM_DEVICE).requires_grad_()
     tokens = torch.empty(mb, seq, dtype=torch.long, device=SIM_DEVICE)
