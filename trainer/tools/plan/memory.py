@@ -45,6 +45,9 @@ micro-batch, ``P`` parameters held by this rank: matrices / tp (norms are replic
   ``12*V/tp`` (float32 log-softmax output, the gradient flowing into it and out of it); ``16*V/tp`` under
   TP, whose loss-parallel backward holds one more float32 vocabulary shard. The step frees the logits
   before backward; a pipeline stage keeps its output (the logits) until its backward: ``c*V/tp`` more.
+* context parallel (``cp`` > 1): parameters, gradients and optimizer state are sharded over
+  ``dp_shard x cp``; ``T`` counts the rank's ``seq_len / cp`` tokens of each sequence; the activations add
+  what :func:`context_parallel_bytes` counts (the gathered keys/values of ``allgather``, the dense mask).
 * total = the largest of three moments of a steady-state step (gradients are ``None`` until backward
   makes them), checked against ``trainer simulate`` (the real code on fake tensors, docs/performance.md):
   the loss's backward (every block's activations, the loss at its peak, no gradients yet, FSDP holding
