@@ -2,13 +2,12 @@
 
 - The launcher's torchrun arguments under plain variables, Slurm (sbatch + srun) and PBS (qsub + mpiexec),
   with fake ``scontrol``/``srun``/``mpiexec`` on PATH and ``RUN_TRAIN_DRY=1`` (nothing is started).
-- Two launchers (``NNODES=2``, two processes each) meeting at a c10d rendezvous on localhost train HSDP
-  (replicas across the "nodes") to the same losses as four processes on one node.
-- The same two "nodes" in two network namespaces joined by a veth pair (skipped where ``ip netns`` is not
-  permitted). Where namespaces work, that run is also the one the localhost test checks: the same job, one
-  two-node launch instead of two.
-- A worker killed mid-run (``debug.crash_at_step``): torchrun restarts both nodes (``MAX_RESTARTS=1``), the
-  trainer resumes from the latest checkpoint and ends with the uninterrupted run's losses.
+- Two launchers (``NNODES=2``, two processes each) meeting at a c10d rendezvous train HSDP (replicas across the
+  "nodes") to the same losses as four processes on one node, in two network namespaces joined by a veth pair
+  where ``ip netns`` is permitted (on localhost elsewhere, and the namespace test is skipped).
+- In that job a worker is killed mid-run (``debug.crash_at_step``): torchrun restarts both nodes
+  (``MAX_RESTARTS=1``), the trainer resumes from the latest checkpoint and ends with the uninterrupted run's
+  losses. One job for the three: each two-node launch costs the suite a CPU-half-minute.
 - A hung rank fails the run within ``comm.train_timeout_seconds``, with the rank and collective named.
 
 The training runs are few processes on a small machine: the module starts every run the selected tests need
@@ -266,11 +265,16 @@ class NetnsPair:
 
 
 NEEDS = {
-    "test_two_nodes_match_one_node": {"two_nodes"},
-    "test_killed_worker_restarts_and_resumes": {"restart"},
-    "test_two_nodes_across_network_namespaces": {"netns"},
+    "test_two_nodes_match_one_node": {"job"},
+    "test_killed_worker_restarts_and_resumes": {"job"},
+    "test_two_nodes_across_network_namespaces": {"job", "netns"},
     "test_hung_rank_fails_fast_naming_the_collective": {"hang"},
 }
+# The one two-node job the first three tests check: HSDP across the "nodes", rank 2 SIGKILLs itself before
+# step 3 on the first attempt (torchrun restarts both nodes, the trainer resumes from step 2), NODE_RANK unset
+# (the c10d rendezvous assigns the ranks; both launchers meet the run lock as node 0).
+JOB = [*TRAIN, *HSDP, "--checkpoint.enable", "--checkpoint.interval", "2", "--debug.crash_at_step", "3",
+       "--debug.crash_rank", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -280,27 +284,19 @@ def runs(request, tmp_path_factory):
     wanted = set().union(*(NEEDS.get(name, set()) for name in selected))
     root = tmp_path_factory.mktemp("multinode")
     out: dict[str, Run] = {}
-    netns = None
-    if "netns" in wanted:
-        netns = NetnsPair()
-        if netns.error:
-            out["netns"] = Run(root / "netns", info={"skip": f"network namespaces not available: {netns.error}"})
-        else:
-            # NODE_RANK unset, as in the plain run: where namespaces work, this run also stands in for it.
-            per_node = [{"LOCAL_ADDR": netns.ips[i], "GLOO_SOCKET_IFNAME": netns.ifs[i]} for i in (0, 1)]
-            out["netns"] = two_nodes(root, "netns", [*TRAIN, *HSDP], env={"RDZV_ENDPOINT": f"{netns.ips[0]}:29400"},
-                                     per_node=per_node, prefixes=[("ip", "netns", "exec", ns) for ns in netns.ns],
-                                     node_ranks=False)
-            out["netns"].info["netns"] = netns
-    if "two_nodes" in wanted:
-        if "netns" in out and "skip" not in out["netns"].info:
-            out["two_nodes"] = out["netns"]  # the same job, one launch fewer
-        else:
-            out["two_nodes"] = two_nodes(root, "two_nodes", [*TRAIN, *HSDP], node_ranks=False)
-    if "restart" in wanted:  # rank 2 (a node-1 process) SIGKILLs itself before step 3, first attempt only
-        out["restart"] = two_nodes(root, "restart", [*TRAIN, *HSDP, "--checkpoint.enable", "--checkpoint.interval", "2",
-                                                     "--debug.crash_at_step", "3", "--debug.crash_rank", "2"],
-                                   env={"MAX_RESTARTS": "1"})
+    netns = NetnsPair() if "job" in wanted else None
+    if netns is not None and netns.error:
+        out["netns"] = Run(root / "netns", info={"skip": f"network namespaces not available: {netns.error}"})
+        netns = None
+    if netns is not None:  # the job in two namespaces: nothing between the "nodes" but the veth pair
+        per_node = [{"LOCAL_ADDR": netns.ips[i], "GLOO_SOCKET_IFNAME": netns.ifs[i]} for i in (0, 1)]
+        out["job"] = two_nodes(root, "job", JOB, env={"RDZV_ENDPOINT": f"{netns.ips[0]}:29400", "MAX_RESTARTS": "1"},
+                               per_node=per_node, prefixes=[("ip", "netns", "exec", ns) for ns in netns.ns],
+                               node_ranks=False)
+        out["job"].info["netns"] = netns
+        out["netns"] = out["job"]
+    elif "job" in wanted:  # on localhost
+        out["job"] = two_nodes(root, "job", JOB, env={"MAX_RESTARTS": "1"}, node_ranks=False)
     if "hang" in wanted:  # rank 1 sleeps before step 3; rank 0 waits in the step's first collective
         out["hang"] = Run(root / "hang")
         out["hang"].agents.append((start_train(
@@ -353,7 +349,7 @@ def assert_node_health(run: Run, world: int = 4) -> None:
 @pytest.mark.slow
 @pytest.mark.runs(REFERENCE)
 def test_two_nodes_match_one_node(runs, batches):
-    ref, run = batches.get(REFERENCE), runs["two_nodes"]
+    ref, run = batches.get(REFERENCE), runs["job"]
     finished(run)
     assert "dp_replicate=2, dp_shard=2" in run.log
     assert_same_losses(run, ref)
@@ -378,7 +374,7 @@ def test_two_nodes_across_network_namespaces(runs, batches):
 @pytest.mark.slow
 @pytest.mark.runs(REFERENCE)
 def test_killed_worker_restarts_and_resumes(runs, batches):
-    ref, run = batches.get(REFERENCE), runs["restart"]
+    ref, run = batches.get(REFERENCE), runs["job"]
     finished(run)
     log = run.log
     assert "rank 2 kills itself (SIGKILL) before step 3" in log, run.tail()
