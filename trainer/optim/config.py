@@ -43,8 +43,8 @@ class Muon:
     and reuses AdamW's learning rate and weight decay (Moonlight, Kimi K2)."""
     ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Dtype of the Newton-Schulz iterations. bfloat16 is torch.optim.Muon's (bitwise its result); float32 costs
-    more but makes runs of different layouts agree to float32 rounding (bfloat16 rounding turns the
-    reduction-order differences of sharded gradients into larger ones)."""
+    more (twice the bytes exchanged, slower matmuls) and is less sensitive to the last bits of the gradients,
+    which sharded layouts sum in another order."""
 
 
 @dataclass
@@ -109,7 +109,11 @@ class LossScale:
 
 
 SECTION_DOC = {"optimizer": "AdamW settings (with name = \"Muon\": AdamW's part).",
-               "optimizer.muon": "Muon's settings, used with optimizer.name = \"Muon\" (see docs/optimizers.md).", "lr_scheduler": "Learning-rate warmup and decay.",
+               "optimizer.muon": "Muon's settings, used with optimizer.name = \"Muon\", with torch.optim.Muon's names and "
+                                 "defaults. Muon updates the 2-D weight matrices inside the transformer blocks "
+                                 "(attention wq, wk, wv, wo; feed-forward w1, w2, w3); the token embedding, the output "
+                                 "layer, the norms and any bias stay with AdamW ([optimizer]'s lr, beta1, beta2, eps, "
+                                 "weight_decay), in the same optimizer (one state dict). See docs/optimizers.md.", "lr_scheduler": "Learning-rate warmup and decay.",
                "training.loss_scale": "Dynamic loss scaling of float16 training (see docs/stability.md)."}
 
 

@@ -289,12 +289,17 @@ class MuonWithAdamW(torch.optim.Optimizer):
 def _all_to_all(send: list[torch.Tensor], recv_sizes: list[int], group, dtype: torch.dtype,
                 device: torch.device) -> list[torch.Tensor]:
     """One all-to-all of flat buffers of uneven sizes; returns the pieces received, by source group rank.
-    16-bit payloads travel as int16 (the same bits: not every backend reduces or moves bfloat16)."""
+    16-bit payloads travel as bytes (the same bits: gloo moves no bfloat16)."""
     flat = torch.cat(send) if send else torch.empty(0, dtype=dtype, device=device)
     out = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
-    wire = (lambda t: t.view(torch.int16)) if dtype.itemsize == 2 else (lambda t: t)
-    dist.all_to_all_single(wire(out), wire(flat), output_split_sizes=recv_sizes,
-                           input_split_sizes=[t.numel() for t in send], group=group)
+    if dtype.itemsize == 2:
+        n = 2
+        dist.all_to_all_single(out.view(torch.uint8), flat.view(torch.uint8),
+                               output_split_sizes=[n * s for s in recv_sizes],
+                               input_split_sizes=[n * t.numel() for t in send], group=group)
+    else:
+        dist.all_to_all_single(out, flat, output_split_sizes=recv_sizes,
+                               input_split_sizes=[t.numel() for t in send], group=group)
     return list(out.split(recv_sizes))
 
 

@@ -86,14 +86,16 @@ def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | No
     rep, shard, tp, pp = resolve_degrees(config.parallelism, ngpu)
     configured = Layout(rep, shard, tp, pp, config.training.local_batch_size, seq_len, ac_name(config),
                         config.parallelism.pipeline_parallel_microbatch_size)
+    optimizer = config.optimizer.name
     est = memory_estimate(shape, configured, compute_dtype=compute_dtype, cpu_offload=cpu_offload,
-                          reshard_after_forward=config.parallelism.fsdp_reshard_after_forward)
+                          reshard_after_forward=config.parallelism.fsdp_reshard_after_forward, optimizer=optimizer)
     gb = config.training.global_batch_size
     rows = search_layouts(shape, ngpu, seq_len=seq_len, capacity_bytes=capacity, pp=pp,
                           dp_replicate=rep if config.parallelism.data_parallel_replicate_degree != -1 else 1,
                           global_batch=gb,
                           max_local_batch=max_local_batch or max(16, config.training.local_batch_size),
-                          compute_dtype=compute_dtype, cpu_offload=cpu_offload, usable_fraction=usable_fraction)
+                          compute_dtype=compute_dtype, cpu_offload=cpu_offload, usable_fraction=usable_fraction,
+                          optimizer=optimizer)
 
     def layout_json(lay: Layout) -> dict:
         return dataclasses.asdict(lay) | {"describe": lay.describe()}
@@ -104,7 +106,8 @@ def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | No
     ac_table = {}
     for ac in AC_MODES:
         e = memory_estimate(shape, dataclasses.replace(configured, ac=ac), compute_dtype=compute_dtype,
-                            cpu_offload=cpu_offload, reshard_after_forward=config.parallelism.fsdp_reshard_after_forward)
+                            cpu_offload=cpu_offload, reshard_after_forward=config.parallelism.fsdp_reshard_after_forward,
+                            optimizer=optimizer)
         ac_table[ac] = round((e["activations"] + e["recompute"]) / GiB, 3)
     result: dict[str, Any] = {
         "model": {"name": config.model.name, "flavor": config.model.flavor, "params": params,
@@ -149,7 +152,7 @@ STAGING_HELD = {
 def _host_memory(config: JobConfig, shape: Shape, layout: Layout) -> dict[str, Any]:
     """Host (CPU) memory per rank that the plan knows of: the background checkpoint save's staging copy."""
     mode = config.checkpoint.async_mode
-    return {"checkpoint_staging_gib": round(checkpoint_staging_bytes(shape, layout) / GiB, 3),
+    return {"checkpoint_staging_gib": round(checkpoint_staging_bytes(shape, layout, config.optimizer.name) / GiB, 3),
             "checkpoint_async_mode": mode, "held": STAGING_HELD[mode]}
 
 

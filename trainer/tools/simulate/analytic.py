@@ -203,7 +203,8 @@ def plan_memory(s: Shape, dims: ParallelDims, config, stage: Stage) -> dict:
     compute = "float32" if t.mixed_precision_param == "float32" else "bfloat16"
     which = "first" if stage.first else "last" if stage.last else "middle"
     est = memory_estimate(s, layout, compute_dtype=compute, cpu_offload=t.enable_cpu_offload,
-                          reshard_after_forward=p.fsdp_reshard_after_forward, stage=which)
+                          reshard_after_forward=p.fsdp_reshard_after_forward, stage=which,
+                          optimizer=config.optimizer.name)
     return {
         "params": est["params"], "grads": est["grads"], "optimizer": est["optimizer"],
         "weight_copies": est["weight_copies"],
