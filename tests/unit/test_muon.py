@@ -155,3 +155,41 @@ def test_muon_keys_are_accepted_with_muon():
                      "--optimizer.muon.ns_coefficients", "3,-4,2", "--optimizer.muon.ns_dtype", "float32"], env={})
     validate(c)
     assert c.optimizer.muon.ns_coefficients == [3.0, -4.0, 2.0] and c.optimizer.muon.lr is None
+
+
+def test_plan_counts_one_state_per_muon_matrix_and_the_exchange(capsys):
+    """trainer plan: Muon's matrices hold one fp32 state (4 B) where AdamW holds two; the rest stays at 8 B;
+    the report gives Muon's exchange per step."""
+    from trainer.tools.plan.cli import main
+    from trainer.tools.plan.memory import Layout, Shape, memory_estimate, muon_exchange_bytes
+    from trainer.models.llama.args import LlamaModelArgs
+
+    s = Shape.from_args(LlamaModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128))
+    layout = Layout(1, 2, 2, 1, 1, 8)
+    adamw, muon = (memory_estimate(s, layout, optimizer=o)["optimizer"] for o in ("AdamW", "Muon"))
+    assert adamw - muon == 4 * 2 * s.layer_matrices / 4
+    exchange = muon_exchange_bytes(s, 2, 4, group_rank=1)
+    assert exchange["gather"] == 2 * 2 * s.layer_matrices / 4
+    h, kv, f = s.dim, s.kv_dim, s.ffn
+    # group rank 1 of 4 owns matrices 1, 5, 9, 13 of 14: wk and w2 of block 0, wv and w3 of block 1
+    assert exchange["scatter"] == 2 * 2 * (kv * h + h * f)
+    assert main(["--config", "train_configs/debug_model.toml", "--ngpu", "2", "--optimizer.name", "Muon"]) == 0
+    assert "Muon's exchange:" in capsys.readouterr().out
+
+
+def test_simulate_counts_muons_exchange_and_state():
+    """trainer simulate with Muon on FSDP 2 x TP 2: the two all-to-alls over the dp_shard x tp group move what
+    the formula says, and the optimizer state is what trainer plan counts."""
+    from trainer.tools.simulate.cli import collective_rows, memory_rows, simulate
+
+    config = load_config(["--job.config_file", "train_configs/debug_model.toml", "--parallelism.data_parallel_shard_degree",
+                          "2", "--parallelism.tensor_parallel_degree", "2", "--training.global_batch_size", "2",
+                          "--training.local_batch_size", "1", "--training.seq_len", "64", "--optimizer.name", "Muon"],
+                         env={})
+    row = simulate(config, 4, layers=2, ranks=[1])["roles"][0]
+    a2a = [c for c in collective_rows(row) if c["kind"] == "all_to_all"]
+    assert [(c["group"], c["group_size"], c["count"]) for c in a2a] == [("dp_shard+tp", 4, 2)]
+    assert a2a[0]["bytes"] == a2a[0]["analytic_bytes"] > 0
+    state = {term: (sim, plan) for term, sim, plan in memory_rows(row)}["optimizer state"]
+    assert state[0] == pytest.approx(state[1], rel=1e-4)  # the plan leaves out AdamW's step counters (4 B each)
+    assert state[0] < 0.75 * 2 * row["analytic"]["param_bytes"]  # AdamW's two states would be twice the params

@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
+from trainer import torch_compat
+
 if TYPE_CHECKING:
     from trainer.optim.config import Muon as MuonConfig
 
@@ -92,35 +94,41 @@ class _Bucket:
 
 def _shard_indices(p: DTensor) -> tuple[list[int], list[int]]:
     """This rank's rows and columns of ``p`` in the order its local shard holds them, from DTensor's own
-    placement rules (``distribute_tensor`` without a source rank: a local slice, no communication)."""
-    rows_full = torch.arange(p.shape[0], dtype=torch.int64).unsqueeze(1).expand(p.shape[0], p.shape[1])
-    cols_full = torch.arange(p.shape[1], dtype=torch.int64).unsqueeze(0).expand(p.shape[0], p.shape[1])
-    rows = distribute_tensor(rows_full, p.device_mesh, p.placements,
-                             src_data_rank=None).to_local()
-    cols = distribute_tensor(cols_full, p.device_mesh, p.placements, src_data_rank=None).to_local()
-    if rows.numel() == 0:
-        return [], []
-    return rows[:, 0].tolist(), cols[0, :].tolist()
+    placement rules (``distribute_tensor`` without a source rank: a local slice, no communication). Real
+    tensors even in trainer simulate's fake world: the answer is static metadata."""
+    with torch_compat.real_tensors():
+        rows_full = torch.arange(p.shape[0], dtype=torch.int64).unsqueeze(1).expand(p.shape[0], p.shape[1])
+        cols_full = torch.arange(p.shape[1], dtype=torch.int64).unsqueeze(0).expand(p.shape[0], p.shape[1])
+        rows = distribute_tensor(rows_full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+        cols = distribute_tensor(cols_full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+        if rows.numel() == 0:
+            return [], []
+        return rows[:, 0].tolist(), cols[0, :].tolist()
 
 
 _GROUPS: dict[tuple[int, ...], Any] = {}
+# Process-group name -> (the mesh dimensions it spans, joined by "+"; its size): for trainer simulate's report.
+GROUP_LABELS: dict[str, tuple[str, int]] = {}
 
 
 def _shard_group(p: DTensor) -> tuple[Any, tuple[int, ...]]:
     """The process group of the ranks holding different pieces of ``p`` (its mesh without the dimensions it is
     replicated over), and their global ranks in group-rank order."""
     mesh = p.device_mesh
-    ranks = mesh.mesh
     coordinate = mesh.get_coordinate()
     sharded = [i for i, placement in enumerate(p.placements) if not isinstance(placement, Replicate)]
     index = tuple(slice(None) if i in sharded else coordinate[i] for i in range(mesh.ndim))
-    members = tuple(sorted(int(r) for r in ranks[index].flatten().tolist()))
+    with torch_compat.real_tensors():  # the mesh's rank table (fake under trainer simulate's mode otherwise)
+        members = tuple(sorted(int(r) for r in mesh.mesh[index].flatten().tolist()))
     if len(members) == 1:
         return None, members
     if len(sharded) == 1:
         return mesh.get_group(sharded[0]), members
     if members not in _GROUPS:  # only the members take part in making it
-        _GROUPS[members] = dist.new_group(list(members), use_local_synchronization=True)
+        group = dist.new_group(list(members), use_local_synchronization=True)
+        _GROUPS[members] = group
+        names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+        GROUP_LABELS[group.group_name] = ("+".join(names[i] for i in sharded), len(members))
     return _GROUPS[members], members
 
 
@@ -275,14 +283,20 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 continue
             layouts = [_shard_indices(p) for p in bucket.params]
             everyone: list[Any] = [None] * bucket.size
-            dist.all_gather_object(everyone, layouts, group=bucket.group)
+            if dist.get_backend(bucket.group) == "fake":
+                # trainer simulate: nothing answers over the fake group; the other ranks' shards are taken
+                # to be the size of this one's (exact for even shards), which is all the exchange's bytes need.
+                everyone = [[(list(range(len(r))), list(range(len(c)))) for r, c in layouts]] * bucket.size
+            else:
+                dist.all_gather_object(everyone, layouts, group=bucket.group)
             for k, owner in enumerate(bucket.owners):
                 bucket.numels[k] = [len(everyone[s][k][0]) * len(everyone[s][k][1]) for s in range(bucket.size)]
                 if owner == bucket.rank:
                     device = _local(bucket.params[k]).device
-                    bucket.layouts[k] = [(torch.tensor(everyone[s][k][0], dtype=torch.int64, device=device),
-                                          torch.tensor(everyone[s][k][1], dtype=torch.int64, device=device))
-                                         for s in range(bucket.size)]
+                    with torch_compat.real_tensors():
+                        bucket.layouts[k] = [(torch.tensor(everyone[s][k][0], dtype=torch.int64, device=device),
+                                              torch.tensor(everyone[s][k][1], dtype=torch.int64, device=device))
+                                             for s in range(bucket.size)]
         return list(buckets.values())
 
 

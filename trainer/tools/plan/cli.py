@@ -35,7 +35,9 @@ from trainer.tools.plan.memory import (
     Shape,
     checkpoint_staging_bytes,
     gpu_memory_gib,
+    _stage_layers,
     memory_estimate,
+    muon_exchange_bytes,
     search_layouts,
 )
 
@@ -129,6 +131,10 @@ def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | No
         "candidates": [],
         "notes": [],
     }
+    if optimizer == "Muon":
+        ns_bytes = 2 if config.optimizer.muon.ns_dtype == "bfloat16" else 4
+        exchange = muon_exchange_bytes(shape, _stage_layers(args.n_layers, pp), shard * tp, ns_bytes=ns_bytes)
+        result["configured"]["muon_exchange_gib_per_step"] = round(sum(exchange.values()) / GiB, 3)
     if note:
         result["notes"].append(note)
     if "quantize.linear.float8" in config.model.converters or config.compile.enable:
@@ -224,6 +230,9 @@ def format_report(r: dict) -> str:
                  f"{'fits' if c['fits'] else 'DOES NOT FIT'}")
     acs = ", ".join(f"{k} {v:.2f}" for k, v in c["activations_by_ac_gib"].items())
     lines.append(f"  activations (+ one recomputed layer) by AC mode: {acs} GiB")
+    if "muon_exchange_gib_per_step" in c:
+        lines.append(f"  Muon's exchange: {c['muon_exchange_gib_per_step']:.3f} GiB sent per rank per optimizer step "
+                     "(two all-to-alls over dp_shard x tp: its shards to the owners, the owned matrices back)")
     h = r["host"]
     lines.append(f"  host memory per rank: checkpoint staging {h['checkpoint_staging_gib']:.3f} GiB "
                  f"(checkpoint.async_mode {h['checkpoint_async_mode']}: {h['held']})")

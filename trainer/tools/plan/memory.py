@@ -361,6 +361,25 @@ def checkpoint_staging_bytes(s: Shape, layout: Layout, optimizer: str = "AdamW")
                for stage in stages)
 
 
+def muon_exchange_bytes(s: Shape, layers: int, group_size: int, group_rank: int | None = None,
+                        ns_bytes: int = 2) -> dict[str, float]:
+    """Muon's exchange in one optimizer step (trainer/optim/muon.py), bytes one rank sends over its shard group of
+    ``group_size`` ranks (dp_shard x tp) holding ``layers`` blocks, in the Newton-Schulz dtype (``ns_bytes``):
+    ``gather``, its shards of every block matrix (the first all-to-all); ``scatter``, the whole orthogonalised
+    matrices it owns (the second; owners dealt round-robin in parameter order: wq, wk, wv, wo, w1, w2, w3 per
+    block). ``group_rank`` None: the group's average rank. Even shards assumed; zero for a group of one."""
+    if group_size <= 1:
+        return {"gather": 0.0, "scatter": 0.0}
+    h, kv, f = s.dim, s.kv_dim, s.ffn
+    sizes = [h * h, kv * h, kv * h, h * h, f * h, h * f, f * h] * layers
+    gather = ns_bytes * sum(sizes) / group_size
+    if group_rank is None:
+        scatter = gather
+    else:
+        scatter = float(ns_bytes * sum(n for k, n in enumerate(sizes) if k % group_size == group_rank))
+    return {"gather": gather, "scatter": scatter}
+
+
 def _peak(out: dict, s: Shape, layout: Layout, p: Precision, layers: int, first: bool, last: bool,
           reshard_after_forward: str) -> float:
     """The largest of the step's three moments (module docstring, "total"): the loss's backward, the
