@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--val-steps", type=int, default=10)
     p.add_argument("--adamw-lrs", default="1e-3,3e-3,1e-2")
     p.add_argument("--muon-lrs", default="1e-3,3e-3,1e-2")
-    p.add_argument("--ns-dtype", default="float32", choices=["bfloat16", "float32"],
-                   help="Muon's Newton-Schulz dtype (float32 default here: CPUs multiply bfloat16 slowly)")
+    p.add_argument("--ns-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="optimizer.muon.ns_dtype (default: bfloat16, torch's)")
     p.add_argument("--json", default="muon_vs_adamw.json")
     args = p.parse_args(argv)
     rows = []

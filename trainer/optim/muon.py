@@ -96,9 +96,12 @@ def _shard_indices(p: DTensor) -> tuple[list[int], list[int]]:
     """This rank's rows and columns of ``p`` in the order its local shard holds them, from DTensor's own
     placement rules (``distribute_tensor`` without a source rank: a local slice, no communication). Real
     tensors even in trainer simulate's fake world: the answer is static metadata."""
+    rows_n, cols_n = p.shape
+    device = p.device_mesh.device_type  # made there: moving an expanded view would materialise it
     with torch_compat.real_tensors():
-        rows_full = torch.arange(p.shape[0], dtype=torch.int64).unsqueeze(1).expand(p.shape[0], p.shape[1])
-        cols_full = torch.arange(p.shape[1], dtype=torch.int64).unsqueeze(0).expand(p.shape[0], p.shape[1])
+        # Expanded views (no memory); the local slice is materialised, once, at the first step.
+        rows_full = torch.arange(rows_n, dtype=torch.int32, device=device).unsqueeze(1).expand(rows_n, cols_n)
+        cols_full = torch.arange(cols_n, dtype=torch.int32, device=device).unsqueeze(0).expand(rows_n, cols_n)
         rows = distribute_tensor(rows_full, p.device_mesh, p.placements, src_data_rank=None).to_local()
         cols = distribute_tensor(cols_full, p.device_mesh, p.placements, src_data_rank=None).to_local()
         if rows.numel() == 0:
@@ -106,14 +109,14 @@ def _shard_indices(p: DTensor) -> tuple[list[int], list[int]]:
         return rows[:, 0].tolist(), cols[0, :].tolist()
 
 
-_GROUPS: dict[tuple[int, ...], Any] = {}
 # Process-group name -> (the mesh dimensions it spans, joined by "+"; its size): for trainer simulate's report.
 GROUP_LABELS: dict[str, tuple[str, int]] = {}
 
 
-def _shard_group(p: DTensor) -> tuple[Any, tuple[int, ...]]:
+def _shard_group(p: DTensor, groups: dict[tuple[int, ...], Any]) -> tuple[Any, tuple[int, ...]]:
     """The process group of the ranks holding different pieces of ``p`` (its mesh without the dimensions it is
-    replicated over), and their global ranks in group-rank order."""
+    replicated over), and their global ranks in group-rank order. A mesh dimension's own group where one
+    dimension shards ``p``; else a group made once per optimizer (``groups``)."""
     mesh = p.device_mesh
     coordinate = mesh.get_coordinate()
     sharded = [i for i, placement in enumerate(p.placements) if not isinstance(placement, Replicate)]
@@ -124,12 +127,12 @@ def _shard_group(p: DTensor) -> tuple[Any, tuple[int, ...]]:
         return None, members
     if len(sharded) == 1:
         return mesh.get_group(sharded[0]), members
-    if members not in _GROUPS:  # only the members take part in making it
+    if members not in groups:  # only the members take part in making it
         group = dist.new_group(list(members), use_local_synchronization=True)
-        _GROUPS[members] = group
+        groups[members] = group
         names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
         GROUP_LABELS[group.group_name] = ("+".join(names[i] for i in sharded), len(members))
-    return _GROUPS[members], members
+    return groups[members], members
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
@@ -268,9 +271,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
         """The shard groups of the Muon matrices, who owns each matrix (round-robin in parameter order within
         a group) and, on the owners, where each rank's shard of it sits."""
         buckets: dict[tuple[int, ...], _Bucket] = {}
+        groups: dict[tuple[int, ...], Any] = {}
         for i, p in enumerate(params):
             if isinstance(p, DTensor):
-                group, members = _shard_group(p)
+                group, members = _shard_group(p, groups)
             else:
                 group, members = None, (dist.get_rank() if dist.is_initialized() else 0,)
             me = dist.get_rank() if dist.is_initialized() else 0

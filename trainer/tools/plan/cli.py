@@ -131,10 +131,7 @@ def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | No
         "candidates": [],
         "notes": [],
     }
-    if optimizer == "Muon":
-        ns_bytes = 2 if config.optimizer.muon.ns_dtype == "bfloat16" else 4
-        exchange = muon_exchange_bytes(shape, _stage_layers(args.n_layers, pp), shard * tp, ns_bytes=ns_bytes)
-        result["configured"]["muon_exchange_gib_per_step"] = round(sum(exchange.values()) / GiB, 3)
+    result["configured"].update(_muon_exchange(config, shape, args.n_layers, configured))
     if note:
         result["notes"].append(note)
     if "quantize.linear.float8" in config.model.converters or config.compile.enable:
@@ -153,6 +150,16 @@ STAGING_HELD = {
     "async": "allocated at each save, freed once written",
     "disabled": "none: synchronous saves (async modes would copy this much)",
 }
+
+
+def _muon_exchange(config: JobConfig, shape: Shape, n_layers: int, layout: Layout) -> dict[str, Any]:
+    """With Muon, the bytes a rank sends in its exchange per optimizer step (the shard group's average)."""
+    if config.optimizer.name != "Muon":
+        return {}
+    ns_bytes = 2 if config.optimizer.muon.ns_dtype == "bfloat16" else 4
+    exchange = muon_exchange_bytes(shape, _stage_layers(n_layers, layout.pp), layout.dp_shard * layout.tp,
+                                   ns_bytes=ns_bytes)
+    return {"muon_exchange_gib_per_step": round(sum(exchange.values()) / GiB, 3)}
 
 
 def _host_memory(config: JobConfig, shape: Shape, layout: Layout) -> dict[str, Any]:
