@@ -71,6 +71,7 @@ def test_exact_resume(batches):
     got = run.records()
     assert sorted(got) == list(range(6, STEPS + 1))
     assert_same(batches.get(SINGLE).records(), got, range(6, STEPS + 1))
+    assert all(got[s]["muon_orthogonalised_per_matrix"] == [1, 1] for s in got)  # the load's set-up step not counted
 
 
 @pytest.mark.slow

@@ -159,11 +159,17 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._buckets: list[_Bucket] | None = None
         self._link()
         # A load replaces the state and the group dicts: AdamW must see the new ones.
-        self.register_load_state_dict_post_hook(lambda opt: opt._link())
+        self.register_load_state_dict_post_hook(lambda opt: opt._after_load())
 
     def _link(self) -> None:
         self._adamw.param_groups = [g for g in self.param_groups if not g.get("muon")]
         self._adamw.state = self.state
+
+    def _after_load(self) -> None:
+        self._link()
+        # torch's set_optimizer_state_dict first creates the state with a step at lr 0 on zero gradients: not a
+        # training step, so not counted.
+        self.orthogonalised.zero_()
 
     @property
     def skips_on_device(self) -> bool:
@@ -194,7 +200,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if self._buckets is None:
             self._buckets = self._plan(group["params"])
         momentum, nesterov = group["momentum"], group["nesterov"]
-        updates: dict[int, torch.Tensor] = {}  # id(param) -> local update, in the Newton-Schulz dtype
+        updates: dict[int, torch.Tensor] = {}  # id(param) -> this rank's shard of the (Nesterov) momentum
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -234,7 +240,6 @@ class MuonWithAdamW(torch.optim.Optimizer):
         recv_sizes = [sum(bucket.numels[k][s] for k in mine) for s in range(n)]
         received = _all_to_all(send, recv_sizes, bucket.group, dtype, updates[0].device)
         offsets = [0] * n
-        results: dict[int, torch.Tensor] = {}
         back: list[list[torch.Tensor]] = [[] for _ in range(n)]
         for k in mine:
             p = bucket.params[k]
@@ -252,7 +257,6 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 rows, cols = bucket.layouts[k][s]
                 back[s].append(o.index_select(0, rows).index_select(1, cols).reshape(-1) if len(rows) and len(cols)
                                else o.new_empty(0))
-            results[k] = o
         # Scatter: every owner sends each rank its shards of the results.
         send = [torch.cat(b) if b else updates[0].new_empty(0, dtype=dtype) for b in back]
         recv_sizes = [sum(_local(bucket.params[k]).numel() for k, o in enumerate(bucket.owners) if o == r)
