@@ -7,7 +7,7 @@ learning rate for both parts (``optimizer.lr``, Muon's ``lr`` unset) with ``adju
 batches of held-out text), and the mean training loss of its last 20 steps is shown beside it. Prints a table
 and writes JSON (docs/benchmarks.md has the command and the result)::
 
-    python scripts/bench_muon.py --steps 200 --json muon_vs_adamw.json
+    python scripts/bench_muon.py --json muon_vs_adamw.json
 """
 
 from __future__ import annotations
@@ -50,12 +50,12 @@ def run(dump: Path, optimizer: str, lr: float, args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=150)
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batch", type=int, default=4)
     p.add_argument("--val-steps", type=int, default=10)
     p.add_argument("--adamw-lrs", default="1e-3,3e-3,1e-2")
-    p.add_argument("--muon-lrs", default="1e-3,3e-3,1e-2")
+    p.add_argument("--muon-lrs", default="1e-3,3e-3,1e-2,3e-2")
     p.add_argument("--ns-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="optimizer.muon.ns_dtype (default: bfloat16, torch's)")
     p.add_argument("--json", default="muon_vs_adamw.json")
