@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 
 from trainer.optim.loss_scale import LossScaler
-from trainer.optim.optimizer import SkipStepAdamW
 from trainer.parallel.context import shard_batch
 
 # (logits, loss already divided by the step's tokens, the step's tokens per rank) -> the loss with added terms
@@ -172,7 +171,7 @@ def clip_grad_norm(model_parts: list[torch.nn.Module], max_norm: float, pp_group
     return norm
 
 
-def clip_and_step(model_parts: list[torch.nn.Module], optimizer: SkipStepAdamW, *, max_norm: float,
+def clip_and_step(model_parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer, *, max_norm: float,
                   pp_group=None, should_skip: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
                   scaler: LossScaler | None = None) -> tuple[torch.Tensor, bool | torch.Tensor]:
     """Clip to the global norm, ask ``should_skip(grad_norm)`` for a verdict (a 0-d bool on the device, or

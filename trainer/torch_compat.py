@@ -240,6 +240,17 @@ def fake_tensor_mode():
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
+@contextlib.contextmanager
+def real_tensors() -> Iterator[None]:
+    """Tensors made inside are real even under an active ``FakeTensorMode`` (trainer simulate): for small
+    static metadata that must be read on the host, e.g. which rows of a matrix a rank's shard holds. Checked:
+    ``torch._subclasses.fake_tensor.unset_fake_temporarily`` in 2.11.0-2.14.1."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        yield
+
+
 def dispatch_mode_base() -> type:
     """``TorchDispatchMode``, the base class of a mode that sees every op a tensor runs (how
     ``FlopCounterMode`` and the memory trackers count); torch exports it only from

@@ -62,6 +62,7 @@ from trainer.observability.failures import output_failure, peer_failure
 from trainer.observability.flight_recorder import setup_flight_recorder
 from trainer.observability.session import Observability, ObservedRun
 from trainer.optim.loss_scale import build_loss_scaler
+from trainer.optim.muon import muon_metrics
 from trainer.optim.optimizer import LRSchedule, build_optimizer
 from trainer.parallel.context import shard_batch
 from trainer.parallel.dims import ParallelDims, device_type
@@ -176,7 +177,10 @@ class Trainer:
                                          config.optimizer)
         self.lr_schedule = LRSchedule(config.lr_scheduler, config.optimizer.lr, config.training.steps)
         register_float8_scale_precompute(self.optimizer, self.model_parts, config)
-        if not self.optimizer.skips_on_device:
+        if config.optimizer.name == "Muon":
+            logger.info("optimizer Muon on the transformer blocks' weight matrices, AdamW on the rest; a stability "
+                        "guard's verdict is read on the host every step")
+        elif not self.optimizer.skips_on_device:
             logger.info("optimizer.implementation %s: a stability guard's verdict is read on the host every step "
                         "(fused AdamW applies it on the device, with no synchronisation)",
                         config.optimizer.implementation)
@@ -331,6 +335,7 @@ class Trainer:
         if out.get("skip_reason"):
             record["skip_reason"] = out["skip_reason"]
         record.update(self.callbacks.metrics(self.run_view, step))
+        record.update(muon_metrics(self.optimizer, self.mesh))
         record.update(self.checkpointer.metrics())
         record.update(self.replicas.metrics())
         record.update(self.skip_monitor.record(self.is_logging_rank))  # may stop: data.max_skipped_fraction

@@ -4,18 +4,57 @@ pre-flight runs them). The string under each field is its documentation (``--hel
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from trainer.errors import ConfigError
 
 
+MUON_NS_COEFFICIENTS = [3.4445, -4.775, 2.0315]  # torch.optim.Muon's (Keller Jordan's quintic)
+
+
+@dataclass
+class Muon:
+    """Muon's settings (optimizer.name = "Muon"), with torch.optim.Muon's names and defaults. Muon updates the 2-D
+    weight matrices inside the transformer blocks (attention wq, wk, wv, wo; feed-forward w1, w2, w3); the token
+    embedding, the output layer, the norms and any bias stay with AdamW ([optimizer]'s lr, beta1, beta2, eps,
+    weight_decay), in the same optimizer."""
+
+    lr: float | None = None
+    """Muon's peak learning rate, scaled by the same schedule as optimizer.lr. None: optimizer.lr (Moonlight's
+    recipe, with adjust_lr_fn = "match_rms_adamw"; with the default "original" adjustment Muon wants a larger
+    lr, about 0.02 in Keller Jordan's runs)."""
+    weight_decay: float | None = None
+    """Decoupled weight decay of the Muon matrices (torch.optim.Muon: p *= 1 - lr * weight_decay). None:
+    optimizer.weight_decay."""
+    momentum: float = 0.95
+    """Momentum of the gradient average that is orthogonalised."""
+    nesterov: bool = True
+    """Nesterov momentum: orthogonalise the gradient moved toward the momentum, not the momentum itself."""
+    ns_coefficients: list[float] = field(default_factory=lambda: list(MUON_NS_COEFFICIENTS))
+    """The three coefficients (a, b, c) of the quintic Newton-Schulz iteration."""
+    eps: float = 1e-7
+    """Floor of the matrix norm the update is divided by before the iterations."""
+    ns_steps: int = 5
+    """Newton-Schulz iterations per matrix and step (1 to 99)."""
+    adjust_lr_fn: Literal["original", "match_rms_adamw"] | None = None
+    """Learning-rate scaling by matrix shape: None or "original" multiplies lr by sqrt(max(1, rows / cols))
+    (Keller Jordan's); "match_rms_adamw" by 0.2 * sqrt(max(rows, cols)), so that Muon's update has AdamW's RMS
+    and reuses AdamW's learning rate and weight decay (Moonlight, Kimi K2)."""
+    ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Dtype of the Newton-Schulz iterations. bfloat16 is torch.optim.Muon's (bitwise its result); float32 costs
+    more (twice the bytes exchanged, slower matmuls) and is less sensitive to the last bits of the gradients,
+    which sharded layouts sum in another order."""
+
+
 @dataclass
 class Optimizer:
-    name: Literal["AdamW"] = "AdamW"
-    """Optimizer class."""
+    name: Literal["AdamW", "Muon"] = "AdamW"
+    """Optimizer class. Muon: Muon for the 2-D weight matrices of the transformer blocks, AdamW with the keys
+    below for the embedding, the output layer, norms and biases ([optimizer.muon]; docs/optimizers.md)."""
     lr: float = 8e-4
-    """Peak learning rate (reached at the end of warmup)."""
+    """Peak learning rate (reached at the end of warmup); with name = "Muon", AdamW's part's (and Muon's unless
+    optimizer.muon.lr is set)."""
     beta1: float = 0.9
     """AdamW beta1."""
     beta2: float = 0.95
@@ -33,6 +72,7 @@ class Optimizer:
     early_step_in_backward: bool = False
     """Refused unless false: stepping the optimizer inside backward is not implemented (it also rules out
     gradient clipping)."""
+    muon: Muon = field(default_factory=Muon)
 
 
 @dataclass
@@ -68,7 +108,12 @@ class LossScale:
     """Steps in a row without an overflow before the scale grows by growth_factor."""
 
 
-SECTION_DOC = {"optimizer": "AdamW settings.", "lr_scheduler": "Learning-rate warmup and decay.",
+SECTION_DOC = {"optimizer": "AdamW settings (with name = \"Muon\": AdamW's part).",
+               "optimizer.muon": "Muon's settings, used with optimizer.name = \"Muon\", with torch.optim.Muon's names and "
+                                 "defaults. Muon updates the 2-D weight matrices inside the transformer blocks "
+                                 "(attention wq, wk, wv, wo; feed-forward w1, w2, w3); the token embedding, the output "
+                                 "layer, the norms and any bias stay with AdamW ([optimizer]'s lr, beta1, beta2, eps, "
+                                 "weight_decay), in the same optimizer (one state dict). See docs/optimizers.md.", "lr_scheduler": "Learning-rate warmup and decay.",
                "training.loss_scale": "Dynamic loss scaling of float16 training (see docs/stability.md)."}
 
 
@@ -91,7 +136,36 @@ def check_config(config) -> None:
         raise ConfigError(f"lr_scheduler.decay_ratio must be in [0, 1] or None, got {s.decay_ratio}")
     if s.total_steps is not None and s.total_steps < 1:
         raise ConfigError(f"lr_scheduler.total_steps must be None (training.steps) or >= 1, got {s.total_steps}")
+    check_muon(config)
     check_loss_scale(config)
+
+
+def check_muon(config) -> None:
+    """Muon's keys: their values, and that they are not set for another optimizer (no silent no-op keys)."""
+    o, m = config.optimizer, config.optimizer.muon
+    if o.name != "Muon":
+        given = sorted(k for k in config.explicit_keys if k.startswith("optimizer.muon."))
+        if given:
+            raise ConfigError(f"{given[0]} is set but optimizer.name is {o.name!r}: Muon's keys apply to "
+                              "optimizer.name = \"Muon\" only; remove the key or set optimizer.name = \"Muon\"")
+        return
+    if m.lr is not None and not m.lr > 0:
+        raise ConfigError(f"optimizer.muon.lr must be > 0 or None (optimizer.lr), got {m.lr}")
+    if m.weight_decay is not None and not m.weight_decay >= 0:
+        raise ConfigError(f"optimizer.muon.weight_decay must be >= 0 or None (optimizer.weight_decay), got "
+                          f"{m.weight_decay}")
+    if not 0.0 <= m.momentum < 1.0:
+        raise ConfigError(f"optimizer.muon.momentum must be in [0, 1), got {m.momentum}")
+    if len(m.ns_coefficients) != 3:
+        raise ConfigError(f"optimizer.muon.ns_coefficients must hold three numbers (a, b, c), got "
+                          f"{m.ns_coefficients}")
+    if not m.eps > 0:
+        raise ConfigError(f"optimizer.muon.eps must be > 0, got {m.eps}")
+    if not 1 <= m.ns_steps < 100:
+        raise ConfigError(f"optimizer.muon.ns_steps must be in [1, 99], got {m.ns_steps}")
+    if config.training.enable_cpu_offload:
+        raise ConfigError("optimizer.name = \"Muon\" with training.enable_cpu_offload is not supported: Muon's "
+                          "exchange of the sharded updates runs on the device; use AdamW or turn the offload off")
 
 
 def check_loss_scale(config) -> None:

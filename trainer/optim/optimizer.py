@@ -51,16 +51,28 @@ class SkipStepAdamW(torch.optim.AdamW):
             self.step()
 
 
-def build_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: Optimizer) -> SkipStepAdamW:
-    """AdamW over named parameters in two groups: matrices and embeddings (2-D), which decay, and norms and
-    biases (1-D), which decay only with ``weight_decay_norms_and_biases`` (torchtitan's behaviour: every
-    parameter decays). The two groups exist either way, so a checkpoint's groups fit whatever the key."""
+def adamw_groups(params: list[tuple[str, torch.nn.Parameter]], cfg: Optimizer) -> list[dict]:
+    """AdamW's two parameter groups: matrices and embeddings (2-D), which decay, and norms and biases (1-D),
+    which decay only with ``weight_decay_norms_and_biases`` (torchtitan's behaviour: every parameter decays).
+    The two groups exist either way, so a checkpoint's groups fit whatever the key."""
     matrices = [p for _, p in params if p.requires_grad and p.ndim >= 2]
     vectors = [p for _, p in params if p.requires_grad and p.ndim < 2]
-    groups = [
+    return [
         {"params": matrices, "weight_decay": cfg.weight_decay},
         {"params": vectors, "weight_decay": cfg.weight_decay if cfg.weight_decay_norms_and_biases else 0.0},
     ]
+
+
+def build_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: Optimizer) -> torch.optim.Optimizer:
+    """The run's optimizer over named parameters: AdamW (:func:`adamw_groups`), or with ``name = "Muon"``
+    Muon on the transformer blocks' weight matrices and AdamW's two groups on the rest
+    (``trainer/optim/muon.py``). Either has ``step_or_skip`` and ``skips_on_device``."""
+    if cfg.name == "Muon":
+        from trainer.optim.muon import build_muon
+        from trainer.parallel import clean_fqn
+
+        return build_muon([(clean_fqn(n), p) for n, p in params], cfg, lambda rest: adamw_groups(rest, cfg))
+    groups = adamw_groups(params, cfg)
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     impl = cfg.implementation
     if impl == "fused":
@@ -138,7 +150,10 @@ class LRSchedule:
         return self.base_lr * self.factor(step)
 
     def apply(self, optimizer: torch.optim.Optimizer, step: int) -> float:
-        lr = self.lr(step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        return lr
+        """Set every parameter group's lr for ``step``: its own peak lr (an optimizer's ``base_lrs``, e.g.
+        Muon's and AdamW's; else ``base_lr``) times the schedule's factor. Returns ``base_lr``'s."""
+        factor = self.factor(step)
+        bases = getattr(optimizer, "base_lrs", None) or [self.base_lr] * len(optimizer.param_groups)
+        for group, base in zip(optimizer.param_groups, bases, strict=True):
+            group["lr"] = base * factor
+        return self.base_lr * factor

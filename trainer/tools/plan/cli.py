@@ -40,7 +40,9 @@ from trainer.tools.plan.memory import (
     context_parallel_bytes,
     context_parallel_traffic,
     gpu_memory_gib,
+    _stage_layers,
     memory_estimate,
+    muon_exchange_bytes,
     search_layouts,
 )
 
@@ -94,15 +96,16 @@ def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | No
     configured = Layout(rep, shard, tp, pp, config.training.local_batch_size, seq_len, ac_name(config),
                         config.parallelism.pipeline_parallel_microbatch_size, cp=cp, cp_method=cp_method,
                         block_causal=block_causal)
+    optimizer = config.optimizer.name
     est = memory_estimate(shape, configured, compute_dtype=compute_dtype, cpu_offload=cpu_offload,
-                          reshard_after_forward=config.parallelism.fsdp_reshard_after_forward)
+                          reshard_after_forward=config.parallelism.fsdp_reshard_after_forward, optimizer=optimizer)
     gb = config.training.global_batch_size
     rows = search_layouts(shape, ngpu, seq_len=seq_len, capacity_bytes=capacity, pp=pp,
                           dp_replicate=rep if config.parallelism.data_parallel_replicate_degree != -1 else 1,
                           global_batch=gb,
                           max_local_batch=max_local_batch or max(16, config.training.local_batch_size),
                           compute_dtype=compute_dtype, cpu_offload=cpu_offload, usable_fraction=usable_fraction,
-                          cp=cp, cp_method=cp_method, block_causal=block_causal)
+                          cp=cp, cp_method=cp_method, block_causal=block_causal, optimizer=optimizer)
 
     def layout_json(lay: Layout) -> dict:
         return dataclasses.asdict(lay) | {"describe": lay.describe()}
@@ -113,7 +116,8 @@ def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | No
     ac_table = {}
     for ac in AC_MODES:
         e = memory_estimate(shape, dataclasses.replace(configured, ac=ac), compute_dtype=compute_dtype,
-                            cpu_offload=cpu_offload, reshard_after_forward=config.parallelism.fsdp_reshard_after_forward)
+                            cpu_offload=cpu_offload, reshard_after_forward=config.parallelism.fsdp_reshard_after_forward,
+                            optimizer=optimizer)
         ac_table[ac] = round((e["activations"] + e["recompute"]) / GiB, 3)
     result: dict[str, Any] = {
         "model": {"name": config.model.name, "flavor": config.model.flavor, "params": params,
@@ -135,6 +139,7 @@ def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | No
         "candidates": [],
         "notes": [],
     }
+    result["configured"].update(_muon_exchange(config, shape, args.n_layers, configured))
     if note:
         result["notes"].append(note)
     if cp > 1:
@@ -178,10 +183,20 @@ STAGING_HELD = {
 }
 
 
+def _muon_exchange(config: JobConfig, shape: Shape, n_layers: int, layout: Layout) -> dict[str, Any]:
+    """With Muon, the bytes a rank sends in its exchange per optimizer step (the shard group's average)."""
+    if config.optimizer.name != "Muon":
+        return {}
+    ns_bytes = 2 if config.optimizer.muon.ns_dtype == "bfloat16" else 4
+    exchange = muon_exchange_bytes(shape, _stage_layers(n_layers, layout.pp), layout.fsdp_shard * layout.tp,
+                                   ns_bytes=ns_bytes)
+    return {"muon_exchange_gib_per_step": round(sum(exchange.values()) / GiB, 3)}
+
+
 def _host_memory(config: JobConfig, shape: Shape, layout: Layout) -> dict[str, Any]:
     """Host (CPU) memory per rank that the plan knows of: the background checkpoint save's staging copy."""
     mode = config.checkpoint.async_mode
-    return {"checkpoint_staging_gib": round(checkpoint_staging_bytes(shape, layout) / GiB, 3),
+    return {"checkpoint_staging_gib": round(checkpoint_staging_bytes(shape, layout, config.optimizer.name) / GiB, 3),
             "checkpoint_async_mode": mode, "held": STAGING_HELD[mode]}
 
 
@@ -253,6 +268,9 @@ def format_report(r: dict) -> str:
                  f"{'fits' if c['fits'] else 'DOES NOT FIT'}")
     acs = ", ".join(f"{k} {v:.2f}" for k, v in c["activations_by_ac_gib"].items())
     lines.append(f"  activations (+ one recomputed layer) by AC mode: {acs} GiB")
+    if "muon_exchange_gib_per_step" in c:
+        lines.append(f"  Muon's exchange: {c['muon_exchange_gib_per_step']:.3f} GiB sent per rank per optimizer step "
+                     "(two all-to-alls over dp_shard x tp: its shards to the owners, the owned matrices back)")
     h = r["host"]
     lines.append(f"  host memory per rank: checkpoint staging {h['checkpoint_staging_gib']:.3f} GiB "
                  f"(checkpoint.async_mode {h['checkpoint_async_mode']}: {h['held']})")

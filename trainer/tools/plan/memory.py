@@ -9,7 +9,8 @@ key/value projection width, ``L`` layers (of this pipeline stage), ``T = local_b
 micro-batch, ``P`` parameters held by this rank: matrices / tp (norms are replicated by TP), then / dp_shard.
 
 * parameters 4P (fp32 master weights), gradients 4P (fp32), AdamW state 8P (exp_avg, exp_avg_sq in fp32);
-  zero on the GPU with ``training.enable_cpu_offload``.
+  zero on the GPU with ``training.enable_cpu_offload``. With Muon (``optimizer.name = "Muon"``) the blocks'
+  matrices have one fp32 state (the momentum, sharded like the parameter): 4 B each, AdamW's 8 B the rest.
 * working copies of the weights in the compute dtype: under FSDP (data-parallel degree > 1) the all-gathered
   bf16 parameters and gradient buffers of the blocks in flight, ``10 x block_params/tp`` (two gathered blocks
   in bf16 = 4 B/param, plus one block's unsharded bf16 gradient and its fp32 reduce-scatter copy = 6 B/param),
@@ -342,10 +343,11 @@ def _stage_layers(n_layers: int, pp: int) -> int:
 
 
 def memory_estimate(s: Shape, layout: Layout, *, compute_dtype: str = "bfloat16", cpu_offload: bool = False,
-                    reshard_after_forward: str = "default", stage: str | None = None) -> dict[str, Any]:
+                    reshard_after_forward: str = "default", stage: str | None = None,
+                    optimizer: str = "AdamW") -> dict[str, Any]:
     """Bytes per GPU for one layout (the busiest pipeline stage when pp > 1, or ``stage`` "first", "middle"
     or "last"). Keys are the terms of the model in the module docstring; ``sum`` is their sum, ``total``
-    the step's largest moment (``_peak``)."""
+    the step's largest moment (``_peak``). ``optimizer``: "AdamW", or "Muon" (one state per block matrix)."""
     p = Precision.for_layout(layout, compute_dtype)
     tp, pp = layout.tp, layout.pp
     shard = layout.fsdp_shard
@@ -363,6 +365,8 @@ def memory_estimate(s: Shape, layout: Layout, *, compute_dtype: str = "bfloat16"
             "grads": 4 * params_rank * states,
             "optimizer": 8 * params_rank * states,
         }
+        if optimizer == "Muon":  # the momentum alone for the blocks' matrices
+            out["optimizer"] -= 4 * layers * s.layer_matrices / tp / shard * states
         c = p.compute
         if p.fsdp:
             # Gathered (unsharded over dp) block parameters in the compute dtype: the running block and the
@@ -415,12 +419,33 @@ def memory_estimate(s: Shape, layout: Layout, *, compute_dtype: str = "bfloat16"
     return {"precision": p.name, "stage_layers": layers, **{k: float(v) for k, v in terms.items()}}
 
 
-def checkpoint_staging_bytes(s: Shape, layout: Layout) -> float:
+def checkpoint_staging_bytes(s: Shape, layout: Layout, optimizer: str = "AdamW") -> float:
     """Host bytes per rank a background checkpoint save copies the state into (checkpoint.async_mode): the
-    rank's shard of the fp32 weights and of AdamW's two moments, 12 bytes per parameter it holds (the
-    larger pipeline stage), wherever the states live (cpu_offload included)."""
+    rank's shard of the fp32 weights and of the optimizer's state, 12 bytes per parameter it holds with
+    AdamW's two moments (8 for Muon's matrices: one) (the larger pipeline stage), wherever the states live
+    (cpu_offload included)."""
     stages = [None] if layout.pp == 1 else ["first", "last"]
-    return max(3 * memory_estimate(s, layout, stage=stage)["params"] for stage in stages)
+    return max(sum(memory_estimate(s, layout, stage=stage, optimizer=optimizer)[k] for k in ("params", "optimizer"))
+               for stage in stages)
+
+
+def muon_exchange_bytes(s: Shape, layers: int, group_size: int, group_rank: int | None = None,
+                        ns_bytes: int = 2) -> dict[str, float]:
+    """Muon's exchange in one optimizer step (trainer/optim/muon.py), bytes one rank sends over its shard group of
+    ``group_size`` ranks (dp_shard x tp) holding ``layers`` blocks, in the Newton-Schulz dtype (``ns_bytes``):
+    ``gather``, its shards of every block matrix (the first all-to-all); ``scatter``, the whole orthogonalised
+    matrices it owns (the second; owners dealt round-robin in parameter order: wq, wk, wv, wo, w1, w2, w3 per
+    block). ``group_rank`` None: the group's average rank. Even shards assumed; zero for a group of one."""
+    if group_size <= 1:
+        return {"gather": 0.0, "scatter": 0.0}
+    h, kv, f = s.dim, s.kv_dim, s.ffn
+    sizes = [h * h, kv * h, kv * h, h * h, f * h, h * f, f * h] * layers
+    gather = ns_bytes * sum(sizes) / group_size
+    if group_rank is None:
+        scatter = gather
+    else:
+        scatter = float(ns_bytes * sum(n for k, n in enumerate(sizes) if k % group_size == group_rank))
+    return {"gather": gather, "scatter": scatter}
 
 
 def _peak(out: dict, s: Shape, layout: Layout, p: Precision, layers: int, first: bool, last: bool,
@@ -477,7 +502,7 @@ def search_layouts(s: Shape, ngpu: int, *, seq_len: int, capacity_bytes: float, 
                    dp_replicate: int = 1, global_batch: int = -1, max_local_batch: int = 16,
                    compute_dtype: str = "bfloat16", cpu_offload: bool = False, usable_fraction: float = 0.9,
                    max_tp: int = 8, min_tokens: int = 4096, cp: int = 1, cp_method: str = "allgather",
-                   block_causal: bool = False) -> list[dict]:
+                   block_causal: bool = False, optimizer: str = "AdamW") -> list[dict]:
     """Every (tp, fsdp, ac, local batch) for ``ngpu`` GPUs with its estimate, fitting ones first, best first.
 
     Order among fitting layouts (a preference, not a throughput model): the smallest TP degree (TP costs
@@ -499,7 +524,8 @@ def search_layouts(s: Shape, ngpu: int, *, seq_len: int, capacity_bytes: float, 
                 for ac in AC_MODES:
                     layout = Layout(dp_replicate, shard, tp, pp, lb, seq_len, ac, cp=cp, cp_method=cp_method,
                                     block_causal=block_causal)
-                    est = memory_estimate(s, layout, compute_dtype=compute_dtype, cpu_offload=cpu_offload)
+                    est = memory_estimate(s, layout, compute_dtype=compute_dtype, cpu_offload=cpu_offload,
+                                          optimizer=optimizer)
                     fits = est["total"] <= usable_fraction * capacity_bytes
                     accum = (global_batch // (lb * dp)) if global_batch > 0 else 1
                     rows.append({"layout": layout, "estimate": est, "fits": fits, "grad_accum_steps": accum})

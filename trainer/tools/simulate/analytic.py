@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from trainer.parallel.dims import ParallelDims
 from trainer.tools.plan.memory import Layout as PlanLayout
-from trainer.tools.plan.memory import Shape, memory_estimate
+from trainer.tools.plan.memory import Shape, memory_estimate, muon_exchange_bytes
 
 # The tensor-parallel plan of trainer/parallel/parallelize.py (apply_tp), by parameter name: colwise
 # Linear layers and the rowwise-sharded embedding split dim 0 of their weight, rowwise Linear layers dim 1;
@@ -186,6 +186,20 @@ def pipeline_p2p(s: Shape, dims: ParallelDims, stage: Stage, microbatches: int, 
 # --------------------------------------------------------------------------------------------------
 
 
+def muon_collectives(s: Shape, dims: ParallelDims, stage: Stage, coordinate: dict[str, int], ns_bytes: int,
+                     ) -> dict[tuple[str, str], float]:
+    """Muon's two all-to-alls of one optimizer step over the shard group (dp_shard x tp), the bytes this rank
+    (at mesh ``coordinate``) sends: its shards of every block matrix, then the whole matrices it owns
+    (``trainer.tools.plan.memory.muon_exchange_bytes``)."""
+    n = dims.dp_shard * dims.tp
+    if n <= 1:
+        return {}
+    label = "+".join(d for d in ("dp_shard", "tp") if getattr(dims, d) > 1)
+    group_rank = coordinate.get("dp_shard", 0) * dims.tp + coordinate.get("tp", 0)
+    exchange = muon_exchange_bytes(s, stage.layers, n, group_rank, ns_bytes)
+    return {("all_to_all", label): exchange["gather"] + exchange["scatter"]}
+
+
 def step_flops(s: Shape, stage: Stage, tokens: int, seq_len: int, tp: int, ac: str) -> dict[str, float]:
     """FLOPs one rank runs: ``model`` is the PaLM count (``flops_per_token``: 6 per matmul parameter per
     token, 12 L H Q T for attention; forward + backward) of this rank's share; ``flash_recompute`` is
@@ -231,7 +245,8 @@ def plan_memory(s: Shape, dims: ParallelDims, config, stage: Stage) -> dict:
     compute = "float32" if t.mixed_precision_param == "float32" else "bfloat16"
     which = "first" if stage.first else "last" if stage.last else "middle"
     est = memory_estimate(s, layout, compute_dtype=compute, cpu_offload=t.enable_cpu_offload,
-                          reshard_after_forward=p.fsdp_reshard_after_forward, stage=which)
+                          reshard_after_forward=p.fsdp_reshard_after_forward, stage=which,
+                          optimizer=config.optimizer.name)
     return {
         "params": est["params"], "grads": est["grads"], "optimizer": est["optimizer"],
         "weight_copies": est["weight_copies"],

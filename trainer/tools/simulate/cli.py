@@ -211,6 +211,9 @@ def analytic_for(config, args, layout, view) -> dict:
     act_bytes = c if dims.fsdp_enabled else 4
     mb_tokens = config.parallelism.pipeline_parallel_microbatch_size * t.seq_len // dims.cp
     comm.update(analytic.pipeline_p2p(s, dims, stage, layout.microbatches, mb_tokens, act_bytes))
+    if config.optimizer.name == "Muon":  # once per optimizer step
+        ns_bytes = DTYPES[config.optimizer.muon.ns_dtype].itemsize
+        comm.update(analytic.muon_collectives(s, dims, stage, view.coordinate, ns_bytes))
     elements = analytic.sharded_elements(view.param_shapes, dims)
     return {
         "param_bytes": 4 * elements,
@@ -288,7 +291,8 @@ def format_role(row: dict, accum: int) -> list[str]:
     lines.append(f"  FLOPs per micro-batch: {sim_flops / 1e12:,.2f} T simulated, {f['total'] / 1e12:,.2f} T by formula "
                  f"({_pct(sim_flops, f['total'])}; PaLM model FLOPs {f['model'] / 1e12:,.2f} T + flash-attention "
                  f"recompute {f['flash_recompute'] / 1e12:,.2f} T + AC recompute {f['ac_recompute'] / 1e12:,.2f} T)")
-    lines.append(f"  collectives per micro-batch (x{accum} per optimizer step):")
+    lines.append(f"  collectives per micro-batch (x{accum} per optimizer step; the optimizer's own, e.g. Muon's "
+                 "all_to_all, once per step):")
     lines.append(f"    {'kind':<15} {'group':<13} {'size':>5} {'count':>6} {'simulated GiB':>14} "
                  f"{'formula GiB':>12} {'diff':>8}")
     for c in collective_rows(row):

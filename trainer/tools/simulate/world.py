@@ -230,4 +230,8 @@ def group_labels(view: RankView) -> dict[str, tuple[str, int]]:
             group = flat.get_group()
             labels.setdefault(group.group_name, (name, group.size()))
     labels.setdefault(dist.group.WORLD.group_name, ("world", dist.get_world_size()))
+    from trainer.optim.muon import GROUP_LABELS  # Muon's shard groups over several mesh dimensions
+
+    for name, label in GROUP_LABELS.items():
+        labels.setdefault(name, label)
     return labels
