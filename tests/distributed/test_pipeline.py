@@ -4,13 +4,14 @@ torchrun start per world size)."""
 import pytest
 
 from tests.support.batches import spec
-from tests.support.parity import PP2, SINGLE, STEPS, relative_diffs
+from tests.support.parity import PP2, REFERENCE, SINGLE, STEPS, relative_diffs
 from trainer.parallel.config import SCHEDULES
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", [pytest.param(s, marks=pytest.mark.runs(SINGLE, f"pp2_{s}")) for s in SCHEDULES])
+@pytest.mark.parametrize("schedule", [pytest.param(s, marks=pytest.mark.runs(REFERENCE[s], f"pp2_{s}"))
+                                      for s in SCHEDULES])
 def test_schedule_matches_single_process(schedule, batches):
-    diffs = relative_diffs(batches.get(f"pp2_{schedule}").losses(), batches.get(SINGLE).losses())
+    diffs = relative_diffs(batches.get(f"pp2_{schedule}").losses(), batches.get(REFERENCE[schedule]).losses())
     assert max(diffs) <= 1e-5, diffs
 
 

@@ -81,7 +81,8 @@ def test_disk_full(tmp_path):
     try:
         extra = [] if mounted else ["--checkpoint.drill_disk_bytes", str(100 << 20)]
         proc = run_train(dump, *COMMON, *CKPT, *batch(1), "--training.steps", "6", "--checkpoint.interval", "2",
-                         "--checkpoint.last_save_model_only", "false", *extra, check=False)
+                         "--checkpoint.last_save_model_only", "false", "--model.n_layers", "6", *extra,
+                         check=False)  # the debug model's six blocks: 65 MiB a checkpoint
         log = output(proc)
         assert proc.returncode != 0, log[-3000:]
         assert "disk space is short" in log  # said at the start

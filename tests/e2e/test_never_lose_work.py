@@ -50,7 +50,7 @@ def hashes(folder: Path) -> dict[str, str]:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def wait_for_step(dump: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+def wait_for_step(dump: Path, step: int, proc: subprocess.Popen, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     while True:
         path = dump / "metrics.jsonl"

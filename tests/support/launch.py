@@ -20,8 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 DEBUG_CONFIG = ROOT / "train_configs" / "debug_model.toml"
 
 # Small and fast: the debug model at short sequences; overridden per test as needed.
+# Two of the debug model's six blocks: a step of the whole model costs 8x the CPU, and what the tests compare
+# (layouts, resumes, schedules) is the same with two. A test that needs more blocks says so after these.
 FAST = ["--training.seq_len", "64", "--training.local_batch_size", "4", "--metrics.log_freq", "1",
-        "--lr_scheduler.warmup_steps", "2", "--metrics.enable_tensorboard", "false"]
+        "--lr_scheduler.warmup_steps", "2", "--metrics.enable_tensorboard", "false", "--model.n_layers", "2"]
 
 # -------------------------------------------------------------------------------------------------
 # The launcher: ./run_train.sh

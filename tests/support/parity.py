@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tests.support.batches import spec
 from tests.support.launch import ROOT
-from trainer.parallel.config import SCHEDULES
+from trainer.parallel.config import SCHEDULES, SINGLE_STAGE
 
 STEPS = ["--training.steps", "5", "--debug.deterministic", "--training.global_batch_size", "8"]
 
@@ -41,9 +41,14 @@ for _name, (_nproc, _batch, _extra) in LAYOUTS.items():
          *(IN_TRAINING_EVAL if _name in EVALUATED_LAYOUTS else []))
 
 PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]
+# The schedules with two stages per rank need four blocks (the fast settings have two), and so their reference.
+FOUR_BLOCKS = ["--model.n_layers", "4"]
+SINGLE_4 = spec("single_4_blocks", 1, *STEPS, "--training.local_batch_size", "8", *FOUR_BLOCKS)
+REFERENCE = {s: SINGLE if s in SINGLE_STAGE else SINGLE_4 for s in SCHEDULES}  # each schedule's one-process run
 EVALUATED_SCHEDULE = "1F1B"  # also evaluates at step 4 (tests/distributed/test_eval.py)
 for _schedule in SCHEDULES:
     spec(f"pp2_{_schedule}", 2, *STEPS, "--training.local_batch_size", "8", *PP2,
+         *([] if _schedule in SINGLE_STAGE else FOUR_BLOCKS),
          "--parallelism.pipeline_parallel_schedule", _schedule,
          *(IN_TRAINING_EVAL if _schedule == EVALUATED_SCHEDULE else []))
 

@@ -62,7 +62,7 @@ def test_layout_and_contents(base):
     from trainer.data.tokenizer import load_tokenizer
     from trainer.config import load_config
 
-    cfg = load_config(["--job.config_file", str(DEBUG_CONFIG), "--training.seq_len", "64"])
+    cfg = load_config(["--job.config_file", str(DEBUG_CONFIG), *FAST])
     model = Transformer(resolve_model_args(cfg, load_tokenizer(cfg).vocab_size))
     sd = model.state_dict()
     assert "layers.0.attention.wq.weight" in sd
@@ -233,8 +233,8 @@ def test_failed_save_counted_then_run_continues(tmp_path, mp):
 
 def test_short_disk_refuses_the_save(tmp_path, mp):
     dump = tmp_path / "run"
-    rc, log = train(dump, "--training.steps", "6", "--checkpoint.interval", "2",
-                    "--checkpoint.drill_disk_bytes", str(100 << 20), monkeypatch=mp)
+    rc, log = train(dump, "--training.steps", "6", "--checkpoint.interval", "2", "--model.n_layers", "6",
+                    "--checkpoint.drill_disk_bytes", str(100 << 20), monkeypatch=mp)  # 6 blocks: ~60 MiB a save
     assert rc == 3, log
     assert "disk space is short" in log  # warned at start
     assert "not enough disk space for checkpoint step-4" in log

@@ -17,9 +17,10 @@ TASKS_DIR = Path(__file__).resolve().parent.parent / "assets" / "lm_eval_tasks"
 
 
 def train(dump: Path, *args: str, monkeypatch) -> tuple[int, str]:
-    """``trainer.train.main`` in this process; returns (exit code, console output)."""
-    return train_in_process(dump, "--lr_scheduler.decay_type", "constant", "--checkpoint.enable", *args,
-                            monkeypatch=monkeypatch)
+    """``trainer.train.main`` in this process, with the debug model's six blocks (the tests of other model
+    shapes give fewer or more after them); returns (exit code, console output)."""
+    return train_in_process(dump, "--model.n_layers", "6", "--lr_scheduler.decay_type", "constant",
+                            "--checkpoint.enable", *args, monkeypatch=monkeypatch)
 
 
 def flip_byte(path: Path, offset: int = 100) -> None:

@@ -113,12 +113,7 @@ def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | No
     def est_gib(e: dict) -> dict:
         return {k: (round(v / GiB, 3) if isinstance(v, float) else v) for k, v in e.items()}
 
-    ac_table = {}
-    for ac in AC_MODES:
-        e = memory_estimate(shape, dataclasses.replace(configured, ac=ac), compute_dtype=compute_dtype,
-                            cpu_offload=cpu_offload, reshard_after_forward=config.parallelism.fsdp_reshard_after_forward,
-                            optimizer=optimizer)
-        ac_table[ac] = round((e["activations"] + e["recompute"]) / GiB, 3)
+    ac_table = _activations_by_ac(config, shape, configured, compute_dtype)
     result: dict[str, Any] = {
         "model": {"name": config.model.name, "flavor": config.model.flavor, "params": params,
                   "params_meta_model": meta_params, "params_non_embedding": count_params(args, exclude_embedding=True),
@@ -152,6 +147,18 @@ def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | No
                                      "fits": r["fits"], "grad_accum_steps": r["grad_accum_steps"]})
     result["measured"] = _measured_rows(config, configured, ngpu, est, measured)
     return result
+
+
+def _activations_by_ac(config: JobConfig, shape: Shape, layout: Layout, compute_dtype: str) -> dict[str, float]:
+    """The activation memory (GiB, recomputation included) of ``layout`` under each activation-checkpointing mode."""
+    table = {}
+    for ac in AC_MODES:
+        e = memory_estimate(shape, dataclasses.replace(layout, ac=ac), compute_dtype=compute_dtype,
+                            cpu_offload=config.training.enable_cpu_offload,
+                            reshard_after_forward=config.parallelism.fsdp_reshard_after_forward,
+                            optimizer=config.optimizer.name)
+        table[ac] = round((e["activations"] + e["recompute"]) / GiB, 3)
+    return table
 
 
 def _add_context_parallel(result: dict, shape: Shape, layout: Layout, compute_dtype: str, n_layers: int) -> None:
