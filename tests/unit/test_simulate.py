@@ -185,3 +185,18 @@ def test_context_parallel_counts_local_tokens_and_its_collectives():
                 ("reduce_scatter", "dp_shard_cp")]:
         assert comm[key]["bytes"] == pytest.approx(comm[key]["analytic_bytes"], rel=0.01), key
     assert comm[("all_gather", "cp")]["group_size"] == 2 and comm[("all_gather", "dp_shard_cp")]["group_size"] == 4
+
+
+def test_roles_fork_unless_cuda_devices_are_visible(monkeypatch):
+    """Where CUDA devices are visible, a process that ran a backward pass holds autograd's device threads, and a
+    forked child cannot run autograd (it hung under pytest on a GPU machine): each role is spawned there."""
+    import multiprocessing
+
+    import torch
+
+    from trainer.tools.simulate.cli import role_start_method
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert role_start_method() == "spawn"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert role_start_method() == ("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")

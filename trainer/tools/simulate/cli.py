@@ -151,16 +151,28 @@ def run_roles(config, args, layout, world_size: int, roles: list[tuple[str, int]
     import concurrent.futures
     import multiprocessing
 
-    # fork: the parent has built nothing (no process group, no caches), and a forked child skips the
-    # seconds of importing torch again.
-    methods = multiprocessing.get_all_start_methods()
-    context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    context = multiprocessing.get_context(role_start_method())
     rows = []
     for label, rank in roles:
         with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
             future = pool.submit(_role_process, config, args, layout, world_size, rank, label, quiet)
             rows.append(future.result())
     return rows
+
+
+def role_start_method() -> str:
+    """How each role's process starts. fork where it is safe: the parent has built nothing (no process group,
+    no caches), and a forked child skips the seconds of importing torch again. Where CUDA devices are visible,
+    autograd starts a thread per device at a process's first backward pass, and a child forked after that
+    cannot run autograd (torch refuses, or it hangs): a caller that trained before (a test, a notebook) would
+    hang there, so each role starts a fresh interpreter (spawn) instead."""
+    import multiprocessing
+
+    import torch
+
+    if "fork" in multiprocessing.get_all_start_methods() and not torch.cuda.is_available():
+        return "fork"
+    return "spawn"
 
 
 def _role_process(config, args, layout, world_size: int, rank: int, label: str, quiet: bool) -> dict:
