@@ -1,16 +1,17 @@
-"""End to end through ./run_train.sh: train a few steps with checkpoints, export the real checkpoint to
-Hugging Face, check transformers' logits, then start new runs from the export (initial_load_in_hf) and from
-the native checkpoint and check that their first losses agree, also under FSDP on 2 processes."""
+"""End to end: train a few steps with checkpoints, export the real checkpoint to Hugging Face, check
+transformers' logits, then start new runs from the export (initial_load_in_hf) and from the native checkpoint
+and check that their first losses agree, also under FSDP on 2 processes through ./run_train.sh (the
+one-process runs are the trainer in this process: a launch would add seconds of start-up and nothing under
+test)."""
 
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from tests.support.launch import losses, run_train
+from tests.support.launch import losses, run_train, train_in_process
 from torchtitan_ext.hf import main as export_main
 from torchtitan_ext.native import find_checkpoint, load_native
 
@@ -23,15 +24,21 @@ pytestmark = pytest.mark.slow
 BATCH = ["--training.global_batch_size", "8", "--training.local_batch_size", "4"]
 
 
+def train(dump, *args: str, monkeypatch) -> None:
+    rc, out = train_in_process(dump, *args, *BATCH, monkeypatch=monkeypatch)
+    assert rc == 0, out[-3000:]
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
     dump = tmp / "pretrain"
-    run_train(dump, "--training.steps", "2", "--checkpoint.enable", "--checkpoint.interval", "2", *BATCH)
+    with pytest.MonkeyPatch.context() as mp:
+        train(dump, "--training.steps", "2", "--checkpoint.enable", "--checkpoint.interval", "2", monkeypatch=mp)
     return tmp, dump
 
 
-def test_export_real_checkpoint_then_continue_from_hf(trained):
+def test_export_real_checkpoint_then_continue_from_hf(trained, monkeypatch):
     tmp, dump = trained
     step_dir = find_checkpoint(dump)
     assert step_dir.name == "final-step-2"  # the final export, next to the full step-2
@@ -50,21 +57,14 @@ def test_export_real_checkpoint_then_continue_from_hf(trained):
     assert diff <= 1e-4, diff
 
     # Continued pretraining from the export vs from the native checkpoint (same weights, same data).
-    runs = {
-        "from_hf": (tmp / "from_hf", ["--checkpoint.initial_load_path", str(hf), "--checkpoint.initial_load_in_hf"], 1),
-        "from_dcp": (tmp / "from_dcp", ["--checkpoint.initial_load_path", str(step_dir)], 1),
-        "from_hf_fsdp2": (tmp / "from_hf_fsdp2",
-                          ["--checkpoint.initial_load_path", str(hf), "--checkpoint.initial_load_in_hf"], 2),
-    }
-
-    def launch(item):
-        folder, extra, nproc = item
-        return run_train(folder, "--training.steps", "1", *BATCH, *extra, nproc=nproc)
-
-    with ThreadPoolExecutor(max_workers=len(runs)) as pool:
-        procs = dict(zip(runs, pool.map(launch, runs.values())))
-    assert "Hugging Face" in procs["from_hf"].stdout + procs["from_hf"].stderr
-    first = {name: losses(folder)[1] for name, (folder, _, _) in runs.items()}
+    from_hf = ["--checkpoint.initial_load_path", str(hf), "--checkpoint.initial_load_in_hf"]
+    folders = {name: tmp / name for name in ("from_hf", "from_dcp", "from_hf_fsdp2")}
+    rc, out = train_in_process(folders["from_hf"], "--training.steps", "1", *BATCH, *from_hf, monkeypatch=monkeypatch)
+    assert rc == 0 and "Hugging Face" in out, out[-3000:]
+    train(folders["from_dcp"], "--training.steps", "1", "--checkpoint.initial_load_path", str(step_dir),
+          monkeypatch=monkeypatch)
+    run_train(folders["from_hf_fsdp2"], "--training.steps", "1", *BATCH, *from_hf, nproc=2)
+    first = {name: losses(folder)[1] for name, folder in folders.items()}
     assert abs(first["from_hf"] - first["from_dcp"]) <= 1e-5, first
     assert abs(first["from_hf_fsdp2"] - first["from_dcp"]) <= 1e-4, first  # sharded load (DTensor slices)
     # ... and the loss is that of the trained weights, not of a fresh initialisation.

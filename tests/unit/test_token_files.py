@@ -551,3 +551,28 @@ def test_audit_exits_4_when_token_files_do_not_give_one_separator_per_boundary(t
     assert data_main([*common, "--data.sources", f"numpy:{both}"]) == 4
     err = _one_line(capsys)
     assert "2.0000 separators per document boundary, not 1" in err and "hold a separator at both ends" in err
+
+
+MEGATRON_PREFIX = "tests/assets/token_files/megatron/part0_text_document"  # relative, as a user would write it
+MEGATRON_ARGS = ("--training.seq_len", "32", "--training.local_batch_size", "2", "--data.num_shards", "2",
+                 "--checkpoint.enable", "true", "--training.dataset", "megatron", "--training.dataset_path",
+                 MEGATRON_PREFIX)
+
+
+def test_train_stop_and_resume_on_a_megatron_prefix(tmp_path, monkeypatch):
+    """A Megatron dataset named by its relative path prefix (as in Megatron's --data-path), from the repository
+    root as a user runs it: two steps, then the same folder continued to four, give the losses of four steps
+    straight, bit for bit."""
+    from tests.support.launch import ROOT
+
+    monkeypatch.chdir(ROOT)
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    for dump, steps in ((straight, 4), (stopped, 2), (stopped, 4)):
+        rc, out = train_in_process(dump, *MEGATRON_ARGS, "--training.steps", str(steps), monkeypatch=monkeypatch)
+        assert rc == 0, out[-3000:]
+    assert "step-2 loaded" in out
+    records = read_metrics(stopped)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert records[-1]["tokens_seen"] == 4 * 2 * 32
+    want = {r["step"]: (r["loss"], r["data_fingerprint"]) for r in read_metrics(straight)}
+    assert {r["step"]: (r["loss"], r["data_fingerprint"]) for r in records} == want
