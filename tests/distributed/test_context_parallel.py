@@ -2,7 +2,7 @@
 rotate methods, and CP beside FSDP, HSDP, tensor and pipeline parallelism, each with causal and block_causal
 attention (block_causal does not run under pipeline parallelism yet: causal only there), for 10 steps within 1e-5
 relative, with activation checkpointing and validation in some of them. A checkpoint saved at CP 2 resumes at CP 1
-and at FSDP 2 with the same data and losses. The data are short token-file documents (tests/assets/token_files), so
+and at FSDP 2, and one saved at CP 1 resumes at CP 2, with the same data and losses. The data are short token-file documents (tests/assets/token_files), so
 every sequence packs several documents and block_causal's mask matters."""
 
 import pytest
@@ -22,8 +22,9 @@ def method(name: str) -> list[str]:
     return ["--parallelism.context_parallel_rotate_method", name]
 
 
+# The causal reference also checkpoints (step 5 resumes at CP 2 below).
 REFERENCE = {mask: spec(f"cp_reference_{mask}", 1, *STEPS, *DOCS, *extra, *VALIDATION, "--training.local_batch_size",
-                        "8")
+                        "8", *(CKPT if mask == "causal" else []))
              for mask, extra in MASKS.items()}
 
 # name: (processes, local batch size (x data-parallel degree = 8), arguments); each runs with both masks
@@ -55,13 +56,17 @@ for _i, (_name, (_nproc, _batch, _extra)) in enumerate(LAYOUTS.items()):
         RUNS[(_name, _mask)] = spec(f"cp_{_name}_{_mask}", _nproc, *STEPS, *DOCS, *_mask_args, *_extra, *_method,
                                     "--training.local_batch_size", str(_batch), *_ckpt)
 
-# Saved at CP 2 (step 5), resumed at CP 1 and at FSDP 2.
+# Saved at CP 2 (step 5), resumed at CP 1 and at FSDP 2; saved at CP 1, resumed at CP 2.
 SOURCE = RUNS[("cp2_allgather", "causal")]
 RESUMED = {
     "single": spec("cp2_to_single", 1, *STEPS, *DOCS, *CKPT, "--training.local_batch_size", "8", after=(SOURCE,),
                    copy=((f"{{root}}/{SOURCE}/checkpoint/step-5", "{root}/cp2_to_single/checkpoint/step-5"),)),
     "fsdp2": spec("cp2_to_fsdp2", 2, *STEPS, *DOCS, *CKPT, "--training.local_batch_size", "4", after=(SOURCE,),
                   copy=((f"{{root}}/{SOURCE}/checkpoint/step-5", "{root}/cp2_to_fsdp2/checkpoint/step-5"),)),
+    "cp2_from_cp1": spec("cp1_to_cp2", 2, *STEPS, *DOCS, *CKPT, *CP2, "--training.local_batch_size", "8",
+                         after=(REFERENCE["causal"],),
+                         copy=((f"{{root}}/{REFERENCE['causal']}/checkpoint/step-5",
+                                "{root}/cp1_to_cp2/checkpoint/step-5"),)),
 }
 
 
@@ -90,7 +95,7 @@ def test_context_parallel_matches_single_process(layout, mask, batches):
 
 @pytest.mark.slow
 @pytest.mark.runs(*REFERENCE.values(), *RESUMED.values())
-def test_checkpoint_saved_at_cp2_resumes_at_another_layout(batches):
+def test_checkpoints_move_between_context_parallel_degrees(batches):
     causal, block = (batches.get(REFERENCE[m]).records() for m in ("causal", "block"))
     # The mask is in effect on these data: block_causal trains differently.
     assert min(relative_diffs({s: r["loss"] for s, r in block.items()},
