@@ -5,7 +5,7 @@
 # layers, eager, compiled and compiled with float8, and the per-document attention kernels (attention.sh). Packages the machine lacks (torchdata, torchao) are
 # installed from wheels in .whl/ when that folder is there. Results go to $OUT (or ./gpu_results).
 #   bash scripts/gpu_checks/lent_gpu.sh                  # every part
-#   bash scripts/gpu_checks/lent_gpu.sh tests staging    # some of them (tests, staging, bench, attention)
+#   bash scripts/gpu_checks/lent_gpu.sh tests staging    # some of them (tests, staging, bench, attention, muon)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_results}
@@ -42,4 +42,9 @@ fi
 if [[ $parts == *" attention "* ]]; then
 echo "== per-document attention kernels"
 OUT=$OUT bash scripts/gpu_checks/attention.sh 2>&1 | tail -12
+fi
+
+if [[ $parts == *" muon "* ]]; then
+echo "== Muon against AdamW: the optimizer step and the training step"
+OUT=$OUT bash scripts/gpu_checks/muon.sh 2>&1 | tail -30
 fi

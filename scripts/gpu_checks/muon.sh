@@ -3,20 +3,14 @@
 # `trainer bench gpu` on 8B-shaped layers (4 blocks, seq 4096, compiled), AdamW against Muon (Moonlight's
 # match_rms_adamw learning-rate adjustment; Newton-Schulz in bfloat16 on whole matrices); and the Muon,
 # context-parallel and loss-scale unit tests on this machine's torch release.
-# Run from the repository root:
-#   bash scripts/gpu_checks/muon.sh        # results in $OUT (default ./gpu_results)
+# Through scripts/gpu_checks/lent_gpu.sh, which installs the packages the machine lacks first:
+#   bash scripts/gpu_checks/lent_gpu.sh muon     # results in $OUT (default ./gpu_results)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_results}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-if compgen -G ".whl/*.whl" >/dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-"$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__)"
 
 # Each part's output goes to a file in $OUT (a benchmark's case runs in a process of its own, which a pipe would
 # wait for past the part's time limit), and its tail is printed.
