@@ -276,12 +276,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
         a group) and, on the owners, where each rank's shard of it sits."""
         buckets: dict[tuple[int, ...], _Bucket] = {}
         groups: dict[tuple[int, ...], Any] = {}
+        me = dist.get_rank() if dist.is_initialized() else 0
         for i, p in enumerate(params):
-            if isinstance(p, DTensor):
-                group, members = _shard_group(p, groups)
-            else:
-                group, members = None, (dist.get_rank() if dist.is_initialized() else 0,)
-            me = dist.get_rank() if dist.is_initialized() else 0
+            group, members = _shard_group(p, groups) if isinstance(p, DTensor) else (None, (me,))
             bucket = buckets.setdefault(members, _Bucket(group, len(members), members.index(me)))
             bucket.params.append(p)
             bucket.owners.append((len(bucket.params) - 1) % len(members))
@@ -311,17 +308,13 @@ class MuonWithAdamW(torch.optim.Optimizer):
 def _all_to_all(send: list[torch.Tensor], recv_sizes: list[int], group, dtype: torch.dtype,
                 device: torch.device) -> list[torch.Tensor]:
     """One all-to-all of flat buffers of uneven sizes; returns the pieces received, by source group rank.
-    16-bit payloads travel as bytes (the same bits: gloo moves no bfloat16)."""
+    The payload travels as bytes (the same bits: gloo moves no bfloat16)."""
     flat = torch.cat(send) if send else torch.empty(0, dtype=dtype, device=device)
     out = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
-    if dtype.itemsize == 2:
-        n = 2
-        dist.all_to_all_single(out.view(torch.uint8), flat.view(torch.uint8),
-                               output_split_sizes=[n * s for s in recv_sizes],
-                               input_split_sizes=[n * t.numel() for t in send], group=group)
-    else:
-        dist.all_to_all_single(out, flat, output_split_sizes=recv_sizes,
-                               input_split_sizes=[t.numel() for t in send], group=group)
+    n = dtype.itemsize
+    dist.all_to_all_single(out.view(torch.uint8), flat.view(torch.uint8),
+                           output_split_sizes=[n * s for s in recv_sizes],
+                           input_split_sizes=[n * t.numel() for t in send], group=group)
     return list(out.split(recv_sizes))
 
 

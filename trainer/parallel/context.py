@@ -139,8 +139,8 @@ class ContextParallelMask:
 
     def __post_init__(self):
         device = self.index.device
-        self.order = torch.argsort(gathered_index(self.seq_len, self.cp.degree, device))  # gathered -> in order
         self.gathered = gathered_index(self.seq_len, self.cp.degree, device)  # in order -> gathered
+        self.order = torch.argsort(self.gathered)  # gathered -> in order
         keys = torch.arange(self.seq_len, device=device)
         if self.cp.method == "allgather":
             # Local queries (rows, at their global positions) over the whole sequence in order (columns).
