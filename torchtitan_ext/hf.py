@@ -265,6 +265,13 @@ def tiktoken_to_tokenizer_json(ranks_path: Path, out: Path) -> None:
     tok.save(str(out))
 
 
+def _refuse_experts(args, flavor: str) -> None:
+    """Only dense Llama models have a Hugging Face layout here yet."""
+    if args.moe is not None:
+        raise ValueError(f"{flavor} is a mixture of experts: export to Hugging Face covers dense Llama models only "
+                         "for now; keep the DCP checkpoint (trainer eval and generate read it)")
+
+
 def export_checkpoint(
     checkpoint: str | Path,
     output: str | Path,
@@ -284,6 +291,7 @@ def export_checkpoint(
         raise FileExistsError(f"--output {out} is a file; name a folder for the Hugging Face files")
     info = describe_checkpoint(checkpoint, config_path=config_path, flavor=flavor,
                                tokenizer_path=tokenizer_path, step=step)
+    _refuse_experts(info.args, info.config.model.flavor)
     if out.exists() and any(out.iterdir()):
         if not overwrite:
             raise FileExistsError(f"output folder {out} is not empty; pass --overwrite to replace its contents")
@@ -368,6 +376,7 @@ def write_hf_folder(sd: dict[str, torch.Tensor], args, out: str | Path, *, dtype
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     torch_dtype = parse_dtype(dtype)
+    _refuse_experts(args, "this model")
     if args.tie_word_embeddings and "output.weight" in sd and "tok_embeddings.weight" in sd:
         if not torch.equal(sd["output.weight"], sd["tok_embeddings.weight"]):
             logger.warning("tie_word_embeddings is set but output.weight differs from tok_embeddings.weight; "

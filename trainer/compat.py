@@ -24,7 +24,8 @@ from trainer.models.llama.flavors import TORCHTITAN_FLAVORS
 
 logger = logging.getLogger("trainer")
 
-_NO_MOE = "the Llama models here have no mixture-of-experts layers"
+_NO_EP = ("expert parallelism is not implemented yet: the experts of a mixture of experts are sharded by FSDP "
+          "(data_parallel_shard_degree)")
 _NO_MX = "MX (microscaling) quantisation is not implemented; model.converters takes quantize.linear.float8"
 
 # Key -> why it cannot take another value than torchtitan's default. The defaults are the JobConfig's.
@@ -44,10 +45,10 @@ REFUSED: dict[str, str] = {
     "parallelism.pipeline_parallel_last_stage_less_layers": "the automatic split already spares the last stage; "
                                                             "use module_fqns_per_model_part",
     "parallelism.pipeline_parallel_schedule_csv": "schedules are chosen by name (pipeline_parallel_schedule)",
-    "parallelism.pipeline_parallel_expert_parallel_overlap": _NO_MOE,
-    "parallelism.expert_parallel_degree": _NO_MOE,
-    "parallelism.expert_tensor_parallel_degree": _NO_MOE,
-    "parallelism.expert_parallel_comm_backend": _NO_MOE,
+    "parallelism.pipeline_parallel_expert_parallel_overlap": _NO_EP,
+    "parallelism.expert_parallel_degree": _NO_EP,
+    "parallelism.expert_tensor_parallel_degree": _NO_EP,
+    "parallelism.expert_parallel_comm_backend": _NO_EP,
     "checkpoint.enable_ft_dataloader_checkpoints": "with fault_tolerance.enable every replica group always saves "
                                                    "its own loader state (docs/multinode.md)",
     "checkpoint.initial_load_in_hf_quantized": "quantized Hugging Face checkpoints are not read",
@@ -63,9 +64,6 @@ REFUSED: dict[str, str] = {
     "activation_checkpoint.visualize_memory_budget_pareto": "the memory_budget mode is not implemented",
     "quantize.linear.mx.mxfp8_dim1_cast_kernel_choice": _NO_MX,
     "quantize.linear.mx.recipe_name": _NO_MX,
-    "quantize.linear.mx.filter_fqns": _NO_MX,
-    "quantize.grouped_mm.float8.fqns": _NO_MOE,
-    "quantize.grouped_mm.mx.fqns": _NO_MOE,
     "comm.mode": "fake-backend and local-tensor modes are not here; job.dry_run checks a layout without devices",
     "memory_estimation.enable": "torchtitan's FSDP memory estimator is not here; `trainer plan` estimates memory "
                                 "per GPU",
@@ -75,7 +73,7 @@ REFUSED: dict[str, str] = {
     "validation.dataloader.persistent_workers": "the validation pass runs in the training process",
     "validation.dataloader.pin_memory": "the validation pass runs in the training process",
     "validation.dataloader.prefetch_factor": "the validation pass runs in the training process",
-    "debug.moe_force_load_balance": _NO_MOE,
+    "debug.moe_force_load_balance": "forced round-robin expert routing is not implemented",
 }
 # Values of a key in REFUSED that are accepted all the same: what torchtitan's module would add is here already.
 ACCEPTED_VALUES: dict[tuple[str, Any], str] = {
@@ -89,8 +87,16 @@ REFUSED_VALUES: dict[tuple[str, Any], str] = {
 # torchtitan's other converters: a clearer word than "unknown converter".
 REFUSED_CONVERTERS = {
     "quantize.linear.mx": _NO_MX,
-    "quantize.grouped_mm.float8": _NO_MOE,
-    "quantize.grouped_mm.mx": _NO_MOE,
+    "quantize.grouped_mm.float8": "float8 grouped GEMMs for the experts are not implemented yet (the experts run "
+                                  "in the training precision)",
+    "quantize.grouped_mm.mx": _NO_MX,
+}
+# The modules each refused converter would convert: the only reader of these keys, which therefore load with
+# any value (torchtitan's llama4 files set them without the converter).
+CONVERTER_MODULES = {
+    "quantize.linear.mx": "quantize.linear.mx.filter_fqns",
+    "quantize.grouped_mm.float8": "quantize.grouped_mm.float8.fqns",
+    "quantize.grouped_mm.mx": "quantize.grouped_mm.mx.fqns",
 }
 # Converter names torchtitan's own files use for a converter this trainer has (its llama3_405b.toml says
 # "float8", which its parallelize code reads as float8 linear layers).
@@ -124,7 +130,9 @@ def check(config) -> None:
             raise ConfigError(f"{key} = {json.dumps(value)} is not supported: {why}")
     for c in config.model.converters:
         if c in REFUSED_CONVERTERS:
-            raise ConfigError(f"model.converters: {c!r} is not supported: {REFUSED_CONVERTERS[c]}")
+            key = CONVERTER_MODULES[c]
+            raise ConfigError(f"model.converters: {c!r} (for {key} = {json.dumps(_get(config, key))}) is not "
+                              f"supported: {REFUSED_CONVERTERS[c]}")
     _check_loader_workers(config)
 
 

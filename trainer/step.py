@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.profiler import record_function
 
+from trainer.models.moe import counted_microbatches, moe_layers, set_aux_loss_scale
 from trainer.optim.loss_scale import LossScaler
 from trainer.parallel.context import shard_batch
 
@@ -75,6 +76,7 @@ def forward_backward(model: torch.nn.Module, batches: list[dict[str, torch.Tenso
     CP ranks like data-parallel ranks: trainer/parallel/context.py)."""
     batches = [shard_batch(b, context_parallel) for b in batches]
     tokens_per_rank = sum(b["labels"].numel() for b in batches)
+    set_aux_loss_scale(moe_layers(model), _aux_loss_scale(tokens_per_rank, loss_scale))
     total = torch.zeros((), device=device)
     for batch in batches:
         inputs = batch["input"].to(device, non_blocking=True)
@@ -96,6 +98,12 @@ def forward_backward(model: torch.nn.Module, batches: list[dict[str, torch.Tenso
     return total
 
 
+def _aux_loss_scale(tokens_per_rank: int, loss_scale: torch.Tensor | None) -> torch.Tensor | float:
+    """What the step multiplies a summed token loss by before backward: an MoE layer's auxiliary loss (summed
+    over its tokens) gets the same."""
+    return 1.0 / tokens_per_rank if loss_scale is None else loss_scale / tokens_per_rank
+
+
 class PipelineLoss:
     """The loss a pipeline schedule calls on each micro-batch its last stage finishes: normalised by the
     rank's tokens in the whole step (``tokens_per_rank``, set before each step), plus the extra terms. With
@@ -105,6 +113,10 @@ class PipelineLoss:
     def __init__(self, loss_fn: Callable = loss_fn, extra_loss: ExtraLoss | None = None):
         self.loss_fn = loss_fn
         self.extra_loss = extra_loss
+        # This rank's stages with their MoE layers, and the micro-batches of a schedule step (set once the
+        # stages are built): the layers' auxiliary losses are scaled as the loss is, and count micro-batches only.
+        self.stage_experts: list[tuple[torch.nn.Module, list]] = []
+        self.microbatches = 0
         self.tokens_per_rank = 0
         self.scale: torch.Tensor | None = None
         self.unscaled: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -137,6 +149,8 @@ def forward_backward_pipeline(schedule, batches: list[dict[str, torch.Tensor]], 
     batches = [shard_batch(b, context_parallel) for b in batches]
     pipeline_loss.tokens_per_rank = sum(b["labels"].numel() for b in batches)
     pipeline_loss.scale = loss_scale
+    experts = [layer for _, layers in pipeline_loss.stage_experts for layer in layers]
+    set_aux_loss_scale(experts, _aux_loss_scale(pipeline_loss.tokens_per_rank, loss_scale))
     total = torch.zeros((), device=device)
     for batch in batches:
         inputs = batch["input"].to(device, non_blocking=True)
@@ -146,7 +160,8 @@ def forward_backward_pipeline(schedule, batches: list[dict[str, torch.Tensor]], 
         kwargs = {"target": labels, "losses": losses} if has_last else {}
         # The schedule computes the loss and runs backward inside, hence the loss-parallel context around it.
         pipeline_loss.unscaled = []
-        with record_function("forward_backward"), autocast, loss_parallel(parallel_loss):
+        with record_function("forward_backward"), autocast, loss_parallel(parallel_loss), \
+                counted_microbatches(pipeline_loss.stage_experts, pipeline_loss.microbatches):
             schedule.step(*args, **kwargs, return_outputs=False)
         for loss in losses:
             total += plain(loss.detach() if loss_scale is None else pipeline_loss.unscaled_of(loss))

@@ -164,6 +164,25 @@ def checkpoint_wrapper(module: torch.nn.Module, **options) -> torch.nn.Module:
     return wrap(module, **options)
 
 
+def grouped_mm() -> Callable | None:
+    """torch's grouped matrix multiply, ``(x[tokens, in], w[groups, in, out], offs=int32 cumulative group ends)
+    -> [tokens, out]`` (row block ``g`` of ``x`` times ``w[g]``), with its backward; None where torch has none.
+
+    Only the private ``torch._grouped_mm`` exists: the one kernel that runs all experts of a mixture-of-experts
+    layer without reading their token counts on the host. Checked: 2.13.0 and 2.14.1 on CPU (float32 and
+    bfloat16, every dimension a multiple of 16 bytes), 2.11.0 (CUDA)."""
+    import torch
+
+    return getattr(torch, "_grouped_mm", None)
+
+
+def grouped_mm_op():
+    """The aten operator behind :func:`grouped_mm` (what a dispatch mode sees), or None. Checked: 2.13.0, 2.14.1."""
+    import torch
+
+    return getattr(torch.ops.aten, "_grouped_mm", None) if grouped_mm() is not None else None
+
+
 @contextlib.contextmanager
 def pipeline_loss_disabled(schedule: Any) -> Iterator[None]:
     """Inside this, a pipeline schedule's ``eval()`` runs the stages forward without its loss function.

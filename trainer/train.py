@@ -58,6 +58,7 @@ from trainer.metrics import (
 from trainer.models.config import resolve_model_args
 from trainer.models.llama.flops import flops_per_token, model_num_params
 from trainer.models.llama.model import Transformer
+from trainer.models.moe import balance_experts, experts_kernel_note, moe_layers, moe_metrics
 from trainer.observability.failures import output_failure, peer_failure
 from trainer.observability.flight_recorder import setup_flight_recorder
 from trainer.observability.session import Observability, ObservedRun
@@ -158,6 +159,10 @@ class Trainer:
                                   compute_dtype=self.compute_dtype, init_seed=self.seed,
                                   pipeline_loss=self.pipeline_loss)
         self.model_parts, self.pp_schedule = built.parts, built.schedule
+        self.experts = moe_layers(*self.model_parts)
+        if self.pp_schedule is not None:
+            self.pipeline_loss.stage_experts = [(part, moe_layers(part)) for part in self.model_parts]
+            self.pipeline_loss.microbatches = schedule_microbatches(config)
         self.pp_has_first, self.pp_has_last = built.has_first, built.has_last
         # Without pipelining the whole model is one part; with it, self.model is None.
         self.model = self.model_parts[0] if self.pp_schedule is None else None
@@ -170,6 +175,9 @@ class Trainer:
         if config.model.print_after_conversion:
             logger.info("model after conversion and parallelization:\n%s", self.model_parts)
         self.autocast = steps.autocast_context(self.device.type, self.compute_dtype, self.dims.fsdp_enabled)
+        note = experts_kernel_note(self.model_args, self.device.type, self.compute_dtype, config.compile.enable)
+        if note is not None:
+            logger.warning(note)
 
     def build_optimizer(self) -> None:
         config = self.config
@@ -271,6 +279,7 @@ class Trainer:
         if reason is not None:  # known in advance (e.g. stability.skip_steps): data drawn, nothing computed
             skip: bool | torch.Tensor = self.replicas.commit(True)  # every replica group skips it alike
             loss = grad_norm = torch.full((), float("nan"), device=self.device)
+            experts = None
         else:
             scale = self.loss_scaler.scale if self.loss_scaler is not None else None
             if self.pp_schedule is None:
@@ -289,6 +298,7 @@ class Trainer:
                     self.model_parts, self.optimizer, max_norm=self.config.training.max_norm, pp_group=self.pp_group,
                     should_skip=lambda norm: self.replicas.commit(
                         self.callbacks.should_skip(self.run_view, step, loss, norm)), scaler=self.loss_scaler)
+                experts = balance_experts(self.experts, self.dims.dp_cp_mesh.get_group(), self.dims.dp_cp)
         tokens = sum(b["labels"].numel() for b in batches)
         self.state.step = step
         self.state.tokens_seen += tokens * self.dims.dp * self.replicas.groups_taking_part
@@ -297,7 +307,7 @@ class Trainer:
         self.throughput.tokens += tokens * self.dims.dp / self.world_size  # per device
         self.throughput.steps += 1
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "fingerprint": fingerprint, "skipped": skip,
-                "skip_reason": reason}
+                "skip_reason": reason, "experts": experts, "tokens": tokens * self.dims.dp}
 
     # ------------------------------------------------------------------------------------------------
     # Logging and validation
@@ -336,6 +346,9 @@ class Trainer:
             record["skip_reason"] = out["skip_reason"]
         record.update(self.callbacks.metrics(self.run_view, step))
         record.update(muon_metrics(self.optimizer, self.mesh))
+        if self.model_args.moe is not None:  # every stage: a collective under pipeline parallelism
+            record.update(moe_metrics(out["experts"], top_k=self.model_args.moe.top_k, tokens=out["tokens"],
+                                      device=self.device, pp_group=self.pp_group))
         record.update(self.checkpointer.metrics())
         record.update(self.replicas.metrics())
         record.update(self.skip_monitor.record(self.is_logging_rank))  # may stop: data.max_skipped_fraction

@@ -127,9 +127,11 @@ CONFIG_MODULES = {"trainer/config/sections.py", "trainer/config/keys.py", "train
 READ_BY_PARSER = {"job.config_file"}
 # torchtitan keys accepted only at their default: trainer/compat.py reads each one (by name, from its
 # table) and refuses any other value; tests/unit/test_torchtitan_compat.py sets each one and checks the refusal.
-from trainer.compat import REFUSED  # noqa: E402
+from trainer.compat import CONVERTER_MODULES, REFUSED  # noqa: E402
 
 READ_BY_PARSER |= set(REFUSED)
+# The module lists of the refused converters: trainer/compat.py reads each one (by name) into the refusal.
+READ_BY_PARSER |= set(CONVERTER_MODULES.values())
 
 
 def one_value_keys(keys) -> set[str]:

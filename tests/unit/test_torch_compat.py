@@ -428,3 +428,26 @@ def test_pytree_logger_is_torchs_module():
 
     module = importlib.import_module(PYTREE_LOGGER)
     assert getattr(module, "log", logging.getLogger(PYTREE_LOGGER)).name == PYTREE_LOGGER
+
+
+def test_grouped_mm_and_its_operator():
+    """Row blocks of x times their group's matrix, and the operator a dispatch mode sees for it."""
+    import torch
+
+    from trainer.torch_compat import grouped_mm, grouped_mm_op
+
+    mm = grouped_mm()
+    assert mm is not None  # every torch this project claims has it
+    x, w = torch.randn(10, 16), torch.randn(3, 16, 8)
+    got = mm(x, w, offs=torch.tensor([3, 3, 10], dtype=torch.int32))
+    torch.testing.assert_close(got, torch.cat([x[:3] @ w[0], x[3:] @ w[2]]))
+    seen = []
+
+    class Ops(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.overloadpacket)
+            return func(*args, **(kwargs or {}))
+
+    with Ops():
+        mm(x, w, offs=torch.tensor([3, 3, 10], dtype=torch.int32))
+    assert grouped_mm_op() in seen

@@ -131,7 +131,7 @@ class Debug:
     deterministic_warn_only: bool = False
     """With deterministic: warn about ops that have no deterministic implementation instead of failing."""
     moe_force_load_balance: bool = False
-    """Refused unless false: the Llama models here have no mixture-of-experts layers."""
+    """Refused unless false: forced round-robin expert routing is not implemented."""
     stall_at_step: int = 0
     """Hang drill: before this step (0 = never), rank debug.stall_rank sleeps debug.stall_seconds, so that
     the watchdog (comm.watchdog_timeout_seconds) can be seen to fire."""

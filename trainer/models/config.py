@@ -16,17 +16,64 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from trainer.errors import ConfigError
-from trainer.models.llama.args import LlamaModelArgs, RopeScaling
+from trainer.models.llama.args import LlamaModelArgs, MoEArgs, RopeScaling
 from trainer.models.llama.flavors import LLAMA_FLAVORS, TORCHTITAN_FLAVORS, get_llama_args
 
 
 @dataclass
+class ModelMoE:
+    """Mixture of experts: overrides of the flavor's MoE layers (unset / -1: the flavor's), or MoE layers for a
+    dense flavor (num_experts > 0; the unset keys then take torchtitan's MoEArgs defaults)."""
+
+    num_experts: int = -1
+    """Routed experts per MoE layer. -1: the flavor's (a dense flavor has none: debug_moe and llama4's flavors
+    have them); 0: a dense model; N > 0: N experts in each MoE layer."""
+    top_k: int = -1
+    """Experts each token is sent to (token-choice routing). -1: the flavor's, else 1."""
+    num_shared_experts: int = -1
+    """Dense SwiGLU experts every token goes through, beside the routed ones. -1: the flavor's, else 1."""
+    hidden_dim: int = -1
+    """One expert's SwiGLU hidden size (Hugging Face moe_intermediate_size). -1: the flavor's rule: the dense
+    hidden size, divided by top_k + num_shared_experts (auto_scale_hidden_dim), rounded to model.multiple_of."""
+    auto_scale_hidden_dim: bool | None = None
+    """Divide the derived expert size by top_k + num_shared_experts. Unset: the flavor's, else true."""
+    interleave_moe_layer_step: int = -1
+    """Block i has an MoE when (i + 1) % step == 0: 1, every block (Llama 4 Scout); 2, every other (Maverick).
+    -1: the flavor's, else 1."""
+    score_func: Literal["softmax", "sigmoid"] | None = None
+    """Router score: softmax over the experts (Mixtral) or a sigmoid per expert (Llama 4, DeepSeek-V3), in
+    float32. Unset: the flavor's, else sigmoid."""
+    route_norm: bool | None = None
+    """Divide each token's top-k scores by their sum. Unset: the flavor's, else false."""
+    route_scale: float | None = None
+    """Multiply the routing weights by this. Unset: the flavor's, else 1."""
+    score_before_experts: bool | None = None
+    """Scale each token's input to an expert by its score (true) or the expert's output (false). Unset: the
+    flavor's, else true."""
+    load_balance_coeff: float | None = None
+    """Auxiliary-loss-free balancing (DeepSeek-V3; torchtitan's key): after each optimizer step every expert's
+    routing bias moves by this toward an even load over the step's tokens on all ranks. 0: no bias. Unset:
+    the flavor's, else 1e-3."""
+    aux_loss_coeff: float | None = None
+    """Coefficient of the sequence-wise auxiliary balance loss (DeepSeek-V3's), added to the training loss;
+    logged as moe_aux_loss. 0: none. Unset: the flavor's, else 0."""
+    capacity_factor: float | None = None
+    """Copies of tokens an expert takes per micro-batch, as a multiple of an even share; the rest are dropped
+    (counted in moe_dropped_tokens). 0: dropless. Unset: the flavor's, else dropless."""
+    use_grouped_mm: bool = True
+    """Run the experts as one grouped matrix multiply (torch._grouped_mm); false, or a torch without it: a loop
+    over the experts, which reads the token counts on the host every layer (said in the log)."""
+
+
+@dataclass
 class Model:
-    name: Literal["llama2", "llama3"] = "llama3"
-    """Model family. Both use the same Llama architecture; the family picks the flavor table."""
+    name: Literal["llama2", "llama3", "llama4"] = "llama3"
+    """Model family. All use the same Llama architecture; the family picks the flavor table (llama4: torchtitan's
+    mixture-of-experts flavors debugmodel, 17bx16e, 17bx128e)."""
     flavor: str = "debug_gqa"
     """Model size, a key of the flavor table: debug_gqa (this trainer's debug model: 4 kv heads, vocabulary
-    from the tokenizer, no RoPE scaling), debugmodel (torchtitan's, key for key), llama2_7b, llama2_13b,
+    from the tokenizer, no RoPE scaling), debug_moe (the same with 8 experts, top-2, in every block),
+    debugmodel (torchtitan's, key for key), llama2_7b, llama2_13b,
     llama2_70b, llama3_1b, llama3_3b, llama3_8b, llama3_70b, llama3_405b, or torchtitan's names (8B, 70B,
     405B; llama2: 7B, 13B, 70B); or custom: no base, the shape comes from model.dim, n_layers and n_heads
     (required) and the keys below (what `trainer import` writes)."""
@@ -90,16 +137,18 @@ class Model:
     """block_causal only: RoPE positions restart at 0 at every document (and at a sequence that starts inside
     a document), so a packed document gets the logits it gets alone. False (torchtitan's behaviour): positions
     run 0 .. seq_len-1 along the packed sequence."""
+    moe: ModelMoE = field(default_factory=ModelMoE)
     converters: list[str] = field(default_factory=list)
     """Model transformations applied before parallelization, e.g. ["quantize.linear.float8"]."""
     print_after_conversion: bool = False
     """Log the model structure after converters and parallelization."""
 
 
-SECTION_DOC = {"model": "Architecture, size and tokenizer."}
+SECTION_DOC = {"model": "Architecture, size and tokenizer.",
+               "model.moe": "Mixture of experts: which blocks, how many experts, routing and balancing (docs/moe.md)."}
 
 # Model names accepted by get_model_args; all map to the one Llama implementation.
-MODEL_NAMES = ("llama", "llama2", "llama3")
+MODEL_NAMES = ("llama", "llama2", "llama3", "llama4")
 
 # The flavor with no base shape: model.dim, n_layers and n_heads must be given ([model] shape keys).
 CUSTOM_FLAVOR = "custom"
@@ -178,11 +227,54 @@ def config_model_args(config) -> LlamaModelArgs:
     if "ffn_dim" not in overrides and ("multiple_of" in overrides or "ffn_dim_multiplier" in overrides):
         overrides["ffn_dim"] = None  # the rule asked for replaces a flavor's explicit size
     overrides["rope_scaling"] = _rope_scaling(m, base.rope_scaling)
+    overrides.update(_moe_overrides(m.moe, base))
     overrides.update(attn_mask_type=m.attn_mask_type, rope_per_document=m.rope_per_document)
     try:
         return dataclasses.replace(base, **overrides)
     except ValueError as e:
         raise ConfigError(f"[model] shape: {e} (model.dim, n_heads, n_kv_heads)") from None
+
+
+# [model.moe] keys that override the MoEArgs field of the same name (unset: the flavor's); zero means "off" for
+# the three optional features.
+_MOE_FIELDS = ("top_k", "num_shared_experts", "score_func", "route_norm", "route_scale", "score_before_experts",
+               "load_balance_coeff", "aux_loss_coeff", "capacity_factor")
+_OFF_AT_ZERO = {"load_balance_coeff": None, "capacity_factor": None}
+
+
+def _moe_overrides(mo: ModelMoE, base: LlamaModelArgs) -> dict:
+    """The LlamaModelArgs fields [model.moe] sets: ``moe`` (None: dense) and the MoE layout keys."""
+    given = {k: getattr(mo, k) for k in _MOE_FIELDS if _is_set(getattr(mo, k))}
+    layout = {"moe_hidden_dim": mo.hidden_dim, "interleave_moe_layer_step": mo.interleave_moe_layer_step,
+              "auto_scale_hidden_dim": mo.auto_scale_hidden_dim}
+    layout = {k: v for k, v in layout.items() if _is_set(v)}
+    for key, value in [*given.items(), *layout.items()]:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+            raise ConfigError(f"model.moe.{_MOE_KEY.get(key, key)} must be >= 0, got {value}")
+    if mo.num_experts == 0 or (mo.num_experts == -1 and base.moe is None):
+        if given or layout:
+            field_name = next(iter({**given, **layout}))
+            why = "model.moe.num_experts = 0" if mo.num_experts == 0 else "the flavor is dense"
+            raise ConfigError(f"model.moe.{_MOE_KEY.get(field_name, field_name)} is set but the model has no experts "
+                              f"({why}): set model.moe.num_experts, choose an MoE flavor (debug_moe, llama4's), "
+                              "or drop the key")
+        return {"moe": None}
+    for key, off in _OFF_AT_ZERO.items():
+        if given.get(key) == 0:
+            given[key] = off
+    start = base.moe if base.moe is not None else MoEArgs()
+    if mo.num_experts > 0:
+        given["num_experts"] = mo.num_experts
+    given["use_grouped_mm"] = mo.use_grouped_mm
+    try:
+        moe = dataclasses.replace(start, **given)
+    except ValueError as e:
+        raise ConfigError(f"[model.moe]: {e}") from None
+    return {"moe": moe, **layout}
+
+
+# LlamaModelArgs field -> its [model.moe] key, where the names differ.
+_MOE_KEY = {"moe_hidden_dim": "hidden_dim"}
 
 
 def _rope_scaling(m, base: RopeScaling | None) -> RopeScaling | None:
@@ -274,10 +366,28 @@ def check_config(config) -> None:
     if m.rope_per_document and m.attn_mask_type != "block_causal":
         raise ConfigError("model.rope_per_document restarts RoPE at each document of block_causal attention: set "
                           "model.attn_mask_type = \"block_causal\" too, or drop it")
+    check_experts(config, config_model_args(config))
     if m.attn_mask_type == "block_causal" and config.parallelism.pipeline_parallel_degree > 1:
         raise ConfigError("model.attn_mask_type = \"block_causal\" does not run under pipeline parallelism yet (the "
                           "later stages do not receive the document positions): set "
                           "parallelism.pipeline_parallel_degree = 1 or use attn_mask_type = \"causal\"")
+
+
+def check_experts(config, args: LlamaModelArgs) -> None:
+    """A mixture of experts with what does not run with one yet."""
+    if args.moe is None:
+        return
+    p = config.parallelism
+    if p.tensor_parallel_degree > 1:
+        raise ConfigError("parallelism.tensor_parallel_degree > 1 does not split mixture-of-experts layers yet: set "
+                          "it to 1 (shard the experts with FSDP: data_parallel_shard_degree)")
+    if args.moe.aux_loss_coeff > 0 and p.context_parallel_degree > 1:
+        raise ConfigError("model.moe.aux_loss_coeff is a per-sequence loss and context parallel splits the "
+                          "sequences: set parallelism.context_parallel_degree = 1, or balance with "
+                          "model.moe.load_balance_coeff instead")
+    if config.fault_tolerance.enable:
+        raise ConfigError("fault_tolerance.enable with a mixture of experts is not supported yet (the replica groups "
+                          "would move their expert biases apart): train without [fault_tolerance]")
 
 
 def check_paths(config) -> None:

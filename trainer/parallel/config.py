@@ -69,11 +69,12 @@ class Parallelism:
     exchanged so that each rank attends over the whole sequence with heads / degree heads; needs the heads
     and key/value heads divisible by the degree)."""
     expert_parallel_degree: int = 1
-    """Refused unless 1: the Llama models here have no mixture-of-experts layers."""
+    """Refused unless 1: expert parallelism is not implemented yet; the experts of a mixture of experts
+    ([model.moe]) are sharded by FSDP like every other weight."""
     expert_tensor_parallel_degree: int = 1
-    """Refused unless 1: the Llama models here have no mixture-of-experts layers."""
+    """Refused unless 1: expert parallelism is not implemented yet."""
     expert_parallel_comm_backend: Literal["standard", "deepep"] = "standard"
-    """Refused unless "standard": the Llama models here have no mixture-of-experts layers."""
+    """Refused unless "standard": expert parallelism is not implemented yet."""
 
 
 @dataclass
@@ -87,7 +88,7 @@ class ActivationCheckpoint:
     rest; an integer N checkpoints every N-th block. (torchtitan's default: "2".)"""
     per_op_sac_force_recompute_mm_shapes_by_fqns: list[str] = field(default_factory=lambda: ["moe.router.gate"])
     """Refused unless ["moe.router.gate"]: forcing the recomputation of chosen matmul shapes is not implemented
-    (the default names a mixture-of-experts router, which these models do not have)."""
+    (with selective "op" checkpointing the router's matmul output is saved like any other)."""
     early_stop: bool = False
     """Refused unless false: not wired to torch.utils.checkpoint's early stop."""
     memory_budget: float = 0.5
@@ -138,7 +139,8 @@ class MXLinear:
     recipe_name: str = "mxfp8_cublas"
     """Refused unless "mxfp8_cublas": MX (microscaling) training is not implemented here."""
     filter_fqns: list[str] = field(default_factory=lambda: ["output"])
-    """Refused unless ["output"]: MX (microscaling) training is not implemented here."""
+    """The modules MX quantisation would leave alone. Read only with quantize.linear.mx in model.converters,
+    which is refused (MX training is not implemented here), so any value loads and changes nothing."""
 
 
 @dataclass
@@ -150,16 +152,18 @@ class QuantizeLinear:
 @dataclass
 class Float8GroupedMM:
     fqns: list[str] | str = field(default_factory=list)
-    """Refused unless empty: float8 grouped GEMMs are for mixture-of-experts layers, which the Llama models
-    here do not have."""
+    """The modules float8 grouped GEMMs would convert (torchtitan: ["experts"]). Read only with
+    quantize.grouped_mm.float8 in model.converters, which is refused (not implemented yet), so any value
+    loads and changes nothing."""
 
 
 @dataclass
 class MXGroupedMM:
     recipe_name: Literal["mxfp8"] = "mxfp8"
-    """Accepted (its only value): MX grouped GEMMs are for mixture-of-experts layers, not present here."""
+    """Accepted (its only value); read only with quantize.grouped_mm.mx in model.converters, which is refused."""
     fqns: list[str] | str = field(default_factory=list)
-    """Refused unless empty: MX grouped GEMMs are for mixture-of-experts layers, not present here."""
+    """The modules MX grouped GEMMs would convert. Read only with quantize.grouped_mm.mx in model.converters,
+    which is refused (MX training is not implemented here), so any value loads and changes nothing."""
 
 
 @dataclass
@@ -179,9 +183,11 @@ SECTION_DOC = {
     "activation_checkpoint": "Trading compute for activation memory.",
     "compile": "torch.compile.",
     "quantize.linear.float8": "float8 matmuls via torchao.",
-    "quantize.linear.mx": "torchtitan's MX quantisation (not implemented here; accepted at its defaults).",
-    "quantize.grouped_mm.float8": "torchtitan's float8 grouped GEMMs for MoE (no MoE here; defaults only).",
-    "quantize.grouped_mm.mx": "torchtitan's MX grouped GEMMs for MoE (no MoE here; defaults only).",
+    "quantize.linear.mx": "torchtitan's MX quantisation (not implemented here; its converter is refused).",
+    "quantize.grouped_mm.float8": "torchtitan's float8 grouped GEMMs for the experts (not implemented yet; its "
+                                  "converter is refused).",
+    "quantize.grouped_mm.mx": "torchtitan's MX grouped GEMMs for the experts (not implemented; its converter is "
+                              "refused).",
 }
 
 

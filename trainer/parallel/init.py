@@ -56,6 +56,7 @@ def init_weights(model: nn.Module, template: nn.Module, seed: int, device: torch
     ``template`` is the unparallelized model (or pipeline stage) on the meta device.
     """
     params = {clean_fqn(n): p for n, p in model.named_parameters(remove_duplicate=False)}
+    buffers = {clean_fqn(n): b for n, b in model.named_buffers()}
     for unit in model_units(template):
         part = _unit_template(template, unit).to_empty(device=device)
         generator_seed = seed * 1_000_003 + zlib.crc32(unit.encode())
@@ -67,6 +68,9 @@ def init_weights(model: nn.Module, template: nn.Module, seed: int, device: torch
             target = params[name]
             local = target.to_local() if isinstance(target, DTensor) else target
             local.copy_(local_slice(full, target).to(local.dtype))
+        for name, full in part.named_buffers():  # a unit's own state (an MoE layer's expert bias and counts)
+            if name in buffers and name != "rope_cache":
+                buffers[name].copy_(full)
         del part
     # Non-persistent buffers (the RoPE table) are recomputed by the model itself.
     if hasattr(model, "_compute_rope_cache"):

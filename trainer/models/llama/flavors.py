@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from .args import LlamaModelArgs, RopeScaling
+from .args import LlamaModelArgs, MoEArgs, RopeScaling
 
 _LLAMA31_SCALING = RopeScaling(
     factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
 )
 _LLAMA32_SCALING = RopeScaling(
     factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
+
+_LLAMA4_SCALING = RopeScaling(
+    factor=16.0, low_freq_factor=1.0, high_freq_factor=1.0, original_max_position_embeddings=8192
 )
 
 LLAMA_FLAVORS: dict[str, LlamaModelArgs] = {
@@ -54,6 +58,61 @@ LLAMA_FLAVORS: dict[str, LlamaModelArgs] = {
         rope_theta=500000.0,
         rope_scaling=_LLAMA31_SCALING,
         max_seq_len=131072,
+    ),
+    # debug_gqa with a mixture of experts in every block: 8 experts, top-2 by sigmoid score, one shared expert,
+    # auxiliary-loss-free balancing (torchtitan's defaults otherwise); expert hidden 256.
+    "debug_moe": LlamaModelArgs(
+        dim=256,
+        n_layers=6,
+        n_heads=16,
+        n_kv_heads=4,
+        vocab_size=-1,
+        multiple_of=256,
+        rope_theta=500000.0,
+        max_seq_len=2048,
+        moe=MoEArgs(num_experts=8, top_k=2, num_shared_experts=1),
+    ),
+    # torchtitan's llama4 flavors, field for field (its v0.2.2 table): Llama 4's RoPE scaling (factor 16, no band),
+    # a 202048-token vocabulary, experts sized by auto_scale_hidden_dim; 17bx16e is Llama 4 Scout's shape (an MoE
+    # in every block), 17bx128e Maverick's (every other block, no RoPE scaling).
+    "llama4_debugmodel": LlamaModelArgs(
+        dim=256,
+        n_layers=6,
+        n_heads=16,
+        vocab_size=2048,
+        multiple_of=256,  # dense ffn 768, expert 512
+        rope_theta=500000.0,
+        rope_scaling=_LLAMA4_SCALING,
+        max_seq_len=1048576,
+        moe=MoEArgs(),
+        interleave_moe_layer_step=2,
+    ),
+    "llama4_17bx16e": LlamaModelArgs(
+        dim=5120,
+        n_layers=48,
+        n_heads=40,
+        n_kv_heads=8,
+        vocab_size=202048,
+        multiple_of=2048,
+        ffn_dim_multiplier=1.2,  # expert 8192
+        rope_theta=500000.0,
+        rope_scaling=_LLAMA4_SCALING,
+        max_seq_len=10485760,
+        moe=MoEArgs(num_experts=16),
+        interleave_moe_layer_step=1,
+    ),
+    "llama4_17bx128e": LlamaModelArgs(
+        dim=5120,
+        n_layers=48,
+        n_heads=40,
+        n_kv_heads=8,
+        vocab_size=202048,
+        multiple_of=2048,
+        ffn_dim_multiplier=1.2,  # dense ffn 16384, expert 8192
+        rope_theta=500000.0,
+        max_seq_len=1048576,
+        moe=MoEArgs(num_experts=128),
+        interleave_moe_layer_step=2,
     ),
     "llama2_7b": LlamaModelArgs(
         dim=4096,
@@ -160,6 +219,7 @@ LLAMA_FLAVORS: dict[str, LlamaModelArgs] = {
 TORCHTITAN_FLAVORS: dict[str, dict[str, str]] = {
     "llama3": {"8B": "llama3_8b", "70B": "llama3_70b", "405B": "llama3_405b"},
     "llama2": {"7B": "llama2_7b", "13B": "llama2_13b", "70B": "llama2_70b"},
+    "llama4": {"debugmodel": "llama4_debugmodel", "17bx16e": "llama4_17bx16e", "17bx128e": "llama4_17bx128e"},
 }
 
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.models.attention import attention, document_mask
+from trainer.models.moe import MoE
 
 from .args import LlamaModelArgs, RopeScaling
 from .flavors import get_llama_args
@@ -241,7 +242,8 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: ``h = x + attn(norm(x)); out = h + ffn(norm(h))``."""
+    """Pre-norm block: ``h = x + attn(norm(x)); out = h + ffn(norm(h))``, the ffn a SwiGLU ``feed_forward`` or a
+    mixture of experts ``moe``."""
 
     def __init__(self, layer_id: int, args: LlamaModelArgs):
         super().__init__()
@@ -249,7 +251,15 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        # A mixture of experts in place of the feed-forward (``moe``, torchtitan's name) in the blocks the
+        # args say; ``moe_enabled`` tells which one a block has.
+        self.moe_enabled = args.is_moe_layer(layer_id)
+        if self.moe_enabled:
+            hidden = args.expert_hidden_dim
+            shared = args.moe.num_shared_experts
+            self.moe = MoE(args.moe, args.dim, hidden, FeedForward(args.dim, hidden * shared) if shared else None)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
         # Depth-scaled std of the projections that write into the residual stream.
         self.weight_init_std = INIT_STD / math.sqrt(2 * (layer_id + 1))
 
@@ -257,14 +267,14 @@ class TransformerBlock(nn.Module):
         self.attention_norm.init_weights()
         self.ffn_norm.init_weights()
         self.attention.init_weights(self.weight_init_std)
-        self.feed_forward.init_weights(self.weight_init_std)
+        (self.moe if self.moe_enabled else self.feed_forward).init_weights(self.weight_init_std)
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, input_pos: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         # The cache arguments go by keyword: tensor parallelism's input preparation for ``attention``
         # counts the positional inputs (x, rope_cache).
         h = x + self.attention(self.attention_norm(x), rope_cache, input_pos=input_pos, mask=mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+        return h + (self.moe if self.moe_enabled else self.feed_forward)(self.ffn_norm(h))
 
 
 class Transformer(nn.Module):

@@ -69,6 +69,16 @@ def ac_name(config: JobConfig) -> str:
     return mode
 
 
+def _moe_summary(args) -> str | None:
+    """How a mixture of experts is laid out, in words (None for a dense model)."""
+    if args.moe is None or not args.n_moe_layers:
+        return None
+    m = args.moe
+    shared = f" + {m.num_shared_experts} shared" if m.num_shared_experts else ""
+    return (f"{m.num_experts} experts{shared} of hidden {args.expert_hidden_dim}, top-{m.top_k}, in "
+            f"{args.n_moe_layers} of {args.n_layers} blocks")
+
+
 def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | None = None,
          usable_fraction: float = 0.9, max_local_batch: int | None = None, top: int = 10,
          measured: list[dict] | None = None) -> dict[str, Any]:
@@ -85,6 +95,7 @@ def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | No
     params = count_params(args)
     shape = Shape.from_args(args)
     assert shape.total_params() == params, "plan's parameter arithmetic disagrees with count_params"
+    assert shape.active_params() == count_params(args, active=True), "plan's active parameters disagree"
     fpt = flops_per_token(args, seq_len)
     capacity = (gpu_memory if gpu_memory is not None else gpu_memory_gib(gpu)) * GiB
     compute_dtype = "float32" if config.training.mixed_precision_param == "float32" else "bfloat16"
@@ -117,9 +128,10 @@ def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | No
     result: dict[str, Any] = {
         "model": {"name": config.model.name, "flavor": config.model.flavor, "params": params,
                   "params_meta_model": meta_params, "params_non_embedding": count_params(args, exclude_embedding=True),
+                  "params_active": count_params(args, active=True),
                   "flops_per_token": fpt, "seq_len": seq_len, "vocab_size": args.vocab_size, "dim": args.dim,
                   "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.num_kv_heads,
-                  "ffn_hidden_dim": args.ffn_hidden_dim},
+                  "ffn_hidden_dim": args.ffn_hidden_dim, "moe": _moe_summary(args)},
         "flops_formula": "6 * N_non_embedding + 12 * n_layers * n_heads * head_dim * seq_len (PaLM, appendix B)",
         "memory_formula": "per token per layer: norm(3) + 2*c*h + 2*c*kv + 4*n_heads + norm(2) + 4*c*F, norm(k) = "
                           "r*h + 4 + (r*h if r == c else k*c*h); see trainer/tools/plan/memory.py and docs/performance.md",
@@ -258,7 +270,8 @@ def format_report(r: dict) -> str:
         f"model      {m['name']} {m['flavor']}: dim {m['dim']}, {m['n_layers']} layers, {m['n_heads']} heads "
         f"({m['n_kv_heads']} kv), ffn {m['ffn_hidden_dim']}, vocab {m['vocab_size']}",
         f"params     {m['params']:,} (count_params; model built on meta: {m['params_meta_model']:,}); "
-        f"non-embedding {m['params_non_embedding']:,}",
+        f"non-embedding {m['params_non_embedding']:,}"
+        + (f"; active per token {m['params_active']:,} ({m['moe']})" if m.get("moe") else ""),
         f"FLOPs      {m['flops_per_token']:,} per token at seq_len {m['seq_len']}  [{r['flops_formula']}]",
         f"GPU        {r['ngpu']} x {r['gpu']['name']} ({r['gpu']['memory_gib']} GiB; fits = total <= "
         f"{r['gpu']['usable_fraction']:.0%} of it)",

@@ -117,17 +117,61 @@ class Shape:
     ffn: int
     vocab: int
     tied: bool
+    # A mixture of experts: the blocks that have one, experts per block, experts per token, one expert's hidden
+    # size and the shared experts' (all 0 for a dense model).
+    moe_layers: int = 0
+    experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+    shared_ffn: int = 0
 
     @classmethod
     def from_args(cls, args) -> "Shape":
+        moe = {}
+        if args.moe is not None and args.n_moe_layers:
+            moe = dict(moe_layers=args.n_moe_layers, experts=args.moe.num_experts, top_k=args.moe.top_k,
+                       expert_ffn=args.expert_hidden_dim,
+                       shared_ffn=args.expert_hidden_dim * args.moe.num_shared_experts)
         return cls(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
                    kv_dim=args.num_kv_heads * args.head_dim, ffn=args.ffn_hidden_dim, vocab=args.vocab_size,
-                   tied=args.tie_word_embeddings)
+                   tied=args.tie_word_embeddings, **moe)
 
     @property
-    def layer_matrices(self) -> int:
+    def attention_matrices(self) -> int:
+        return 2 * self.dim * self.dim + 2 * self.dim * self.kv_dim  # wq, wo, wk, wv
+
+    @property
+    def moe_ffn_matrices(self) -> int:
+        """One MoE block's feed-forward: router, routed experts, shared experts."""
         h = self.dim
-        return 2 * h * h + 2 * h * self.kv_dim + 3 * h * self.ffn  # wq, wo, wk, wv, w1, w2, w3
+        return h * self.experts + 3 * h * self.expert_ffn * self.experts + 3 * h * self.shared_ffn
+
+    def _ffn_matrices_total(self) -> int:
+        return (self.n_layers - self.moe_layers) * 3 * self.dim * self.ffn + self.moe_layers * self.moe_ffn_matrices
+
+    @property
+    def layer_matrices(self) -> float:
+        """A block's matrix parameters (wq, wo, wk, wv, w1, w2, w3), averaged over the blocks when some hold a
+        mixture of experts."""
+        if not self.moe_layers:
+            return self.attention_matrices + 3 * self.dim * self.ffn
+        return self.attention_matrices + self._ffn_matrices_total() / self.n_layers
+
+    @property
+    def largest_layer_matrices(self) -> int:
+        """The largest block's matrix parameters (what one block's all-gather holds)."""
+        dense = 3 * self.dim * self.ffn if self.moe_layers < self.n_layers else 0
+        return self.attention_matrices + max(dense, self.moe_ffn_matrices if self.moe_layers else 0)
+
+    @property
+    def ffn_activation(self) -> float:
+        """Per token, the hidden width whose activations a feed-forward saves, averaged over the blocks: a dense
+        block's ``ffn``; an MoE block's ``top_k`` experts and its shared experts, plus its routed copies of
+        the token (in and out, ``2 top_k dim``) and the float32 router scores (``2 experts``, as ``4c`` units)."""
+        if not self.moe_layers:
+            return self.ffn
+        moe = self.top_k * self.expert_ffn + self.shared_ffn + (2 * self.top_k * self.dim + 2 * self.experts) / 4
+        return ((self.n_layers - self.moe_layers) * self.ffn + self.moe_layers * moe) / self.n_layers
 
     @property
     def layer_norms(self) -> int:
@@ -143,7 +187,13 @@ class Shape:
         return 0 if self.tied else self.vocab * self.dim
 
     def total_params(self) -> int:
-        return self.embedding + self.n_layers * (self.layer_matrices + self.layer_norms) + self.dim + self.output
+        blocks = self.n_layers * (self.attention_matrices + self.layer_norms) + self._ffn_matrices_total()
+        return self.embedding + blocks + self.dim + self.output
+
+    def active_params(self) -> int:
+        """Parameters one token goes through: of each MoE block's experts, top_k."""
+        routed = self.moe_layers * 3 * self.dim * self.expert_ffn * (self.experts - self.top_k)
+        return self.total_params() - routed
 
 
 # --------------------------------------------------------------------------------------------------
@@ -242,14 +292,14 @@ def layer_bytes(s: Shape, p: Precision, tp: int = 1) -> float:
     """Per token, one transformer block without activation checkpointing."""
     c = p.compute
     attention = 2 * c * s.dim + 2 * c * s.kv_dim + 4 * s.n_heads  # q, SDPA output; k, v; fp32 logsumexp
-    mlp = 4 * c * s.ffn
+    mlp = 4 * c * s.ffn_activation
     return norm_bytes(s, p, 3, tp) + norm_bytes(s, p, 2, tp) + (attention + mlp) / tp
 
 
 def layer_bytes_selective_op(s: Shape, p: Precision, tp: int = 1) -> float:
     """Per token, one block under selective "op" AC: block input + wq, wv, w1, w2 outputs + SDPA outputs."""
     c = p.compute
-    kept = c * (s.dim + s.kv_dim + s.ffn + s.dim + s.dim) + 4 * s.n_heads
+    kept = c * (s.dim + s.kv_dim + s.ffn_activation + s.dim + s.dim) + 4 * s.n_heads
     return p.residual * s.dim / tp + kept / tp
 
 
@@ -371,7 +421,7 @@ def memory_estimate(s: Shape, layout: Layout, *, compute_dtype: str = "bfloat16"
         if p.fsdp:
             # Gathered (unsharded over dp) block parameters in the compute dtype: the running block and the
             # prefetched one; in backward one block's unsharded gradient plus its fp32 reduce-scatter copy.
-            block = s.layer_matrices / tp + s.layer_norms
+            block = s.largest_layer_matrices / tp + s.layer_norms
             per_block = 2 * c + c + (4 if c < 4 else 0)
             gathered = block * (per_block if layers >= 2 else c + c + (4 if c < 4 else 0)) if layers else 0.0
             root = ((s.embedding if first else 0) + (s.output if last else 0)) / tp + (s.dim if last else 0)
@@ -457,7 +507,7 @@ def _peak(out: dict, s: Shape, layout: Layout, p: Precision, layers: int, first:
     output = (0 if s.tied and first else s.vocab * s.dim) if last else 0
     root = ((s.embedding if first else 0) + output) / tp + (s.dim if last else 0)
     if p.fsdp:
-        block = s.layer_matrices / tp + s.layer_norms
+        block = s.largest_layer_matrices / tp + s.layer_norms
         kept = layers if reshard_after_forward == "never" else (
             1 if reshard_after_forward == "default" and layout.pp == 1 else 0)
         gathered_at_loss = c * (root + kept * block)  # the last block's backward follows its forward
@@ -514,7 +564,7 @@ def search_layouts(s: Shape, ngpu: int, *, seq_len: int, capacity_bytes: float, 
     for tp in (1, 2, 4, 8):
         if tp > max_tp or ngpu % (tp * pp * dp_replicate * cp):
             continue
-        if s.n_heads % tp or (s.kv_dim // (s.dim // s.n_heads)) % tp:
+        if s.n_heads % tp or (s.kv_dim // (s.dim // s.n_heads)) % tp or (tp > 1 and s.moe_layers):
             continue
         shard = ngpu // (tp * pp * dp_replicate * cp)
         dp = shard * dp_replicate

@@ -77,7 +77,7 @@ def sharded_elements(param_shapes: dict[str, tuple[int, ...]], dims: ParallelDim
 
 def _units(s: Shape, stage: Stage, tp: int) -> tuple[int, int]:
     """Elements per rank (before FSDP) of one block and of the root module (embedding, final norm, output)."""
-    block = s.layer_matrices // tp + s.layer_norms
+    block = int(s.layer_matrices) // tp + s.layer_norms
     root = (s.embedding // tp if stage.first else 0) + ((s.vocab * s.dim) // tp + s.dim if stage.last else 0)
     return block, root
 

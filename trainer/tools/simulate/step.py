@@ -117,10 +117,20 @@ def _flop_formulas() -> dict:
     def cpu_sdpa_backward(grad_out, q, k, v, *args, out_val=None, **kwargs):
         return sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape)
 
+    def grouped_mm(a, b, *args, out_val=None, **kwargs):
+        # Each row block of a meets one group of b: 2 x a's elements x b's output width; a 3-D a (one block
+        # per group) with a 2-D b grouped along its columns: each block meets its own columns only.
+        if a.dim() == 3 and b.dim() == 2:
+            return 2 * a.shape[1] * a.shape[2] * b.shape[-1]
+        return 2 * a.numel() * b.shape[-1]
+
     forward, backward = torch_compat.cpu_flash_attention_ops()
     formulas = dict(flop_registry)
     formulas[forward] = cpu_sdpa
     formulas[backward] = cpu_sdpa_backward
+    op = torch_compat.grouped_mm_op()
+    if op is not None:  # the MoE experts' kernel: torch's table has no formula for it
+        formulas.setdefault(op, grouped_mm)
     return formulas
 
 

@@ -1,0 +1,81 @@
+"""The mixture-of-experts debug model (debug_moe) in real runs over gloo: FSDP, HSDP, a pipeline with full
+activation checkpointing and context parallel reproduce the one-process losses, auxiliary losses and expert
+loads, and an FSDP checkpoint resumes in one process. (The layer against its definition, resume in one process:
+tests/unit/test_moe.py.)
+
+Two MoE blocks, 10 steps, a global batch of 8 sequences of 64 tokens, the sequence-wise auxiliary loss and a
+fast expert bias on (so that both the loss and the routing depend on every rank's counts); the runs are
+batched into the shared torchrun starts (tests/support/batches.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.batches import spec
+
+STEPS = 10
+MOE = ["--model.flavor", "debug_moe", "--model.n_layers", "2", "--training.steps", str(STEPS), "--debug.deterministic",
+       "--training.global_batch_size", "8", "--lr_scheduler.decay_type", "constant",
+       "--model.moe.aux_loss_coeff", "0.01", "--model.moe.load_balance_coeff", "0.01"]
+SAVE = ["--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.last_save_model_only", "false"]
+# The fields that must match one process: the loss and the MoE record (counts scaled to the step's tokens).
+FIELDS = ("moe_aux_loss", "moe_tokens_per_expert_min", "moe_tokens_per_expert_max", "moe_load_imbalance")
+
+SINGLE = spec("moe_single", 1, *MOE, "--training.local_batch_size", "8")
+# name: (processes, local batch, extra args)
+LAYOUTS = {
+    "fsdp2": (2, 4, SAVE),
+    "hsdp2": (2, 4, ["--parallelism.data_parallel_replicate_degree", "2"]),
+    "pp2_ac_full": (2, 8, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size",
+                           "2", "--activation_checkpoint.mode", "full"]),
+}
+RUNS = {name: spec(f"moe_{name}", n, *MOE, "--training.local_batch_size", str(lb), *extra)
+        for name, (n, lb, extra) in LAYOUTS.items()}
+# Context parallel splits the sequences, which the per-sequence auxiliary loss refuses: the bias alone, against
+# its own one-process run.
+NO_AUX = ["--model.moe.aux_loss_coeff", "0"]
+SINGLE_NO_AUX = spec("moe_single_no_aux", 1, *MOE, *NO_AUX, "--training.local_batch_size", "8")
+CP2 = spec("moe_cp2", 2, *MOE, *NO_AUX, "--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2")
+# Step 5's checkpoint of FSDP 2, resumed by one process.
+RESUMED = spec("moe_fsdp2_to_single", 1, *MOE, "--training.local_batch_size", "8", *SAVE, after=(RUNS["fsdp2"],),
+               copy=((f"{{root}}/{RUNS['fsdp2']}/checkpoint/step-5", "{root}/moe_fsdp2_to_single/checkpoint/step-5"),))
+
+
+def _assert_matches(run, reference, steps) -> None:
+    got, ref = run.records(), reference.records()
+    assert sorted(got) == list(steps), sorted(got)
+    for step in steps:
+        assert abs(got[step]["loss"] - ref[step]["loss"]) <= 1e-5 * abs(ref[step]["loss"]), step
+        assert got[step]["moe_aux_loss"] == pytest.approx(ref[step]["moe_aux_loss"], rel=1e-5), step
+        # Routing decisions are discrete: one flipped token would show here.
+        assert [got[step][k] for k in FIELDS[1:3]] == [ref[step][k] for k in FIELDS[1:3]], step
+        assert got[step]["moe_load_imbalance"] == pytest.approx(ref[step]["moe_load_imbalance"], rel=1e-9), step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.runs(SINGLE, RUNS[n])) for n in LAYOUTS])
+def test_layout_matches_one_process(name, batches):
+    """Losses within 1e-5 relative of one process for 10 steps, the auxiliary loss too, and every step's expert
+    loads (least, most, imbalance) the same: the counts are summed over the data-parallel ranks and the
+    pipeline's shape-inference pass is not counted."""
+    _assert_matches(batches.get(RUNS[name]), batches.get(SINGLE), range(1, STEPS + 1))
+    assert batches.get(SINGLE).records()[STEPS]["moe_aux_loss"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.runs(SINGLE_NO_AUX, CP2)
+def test_context_parallel_matches_one_process(batches):
+    """CP 2: each rank routes its half of every sequence; the loads summed over both match one process."""
+    _assert_matches(batches.get(CP2), batches.get(SINGLE_NO_AUX), range(1, STEPS + 1))
+    assert batches.get(CP2).records()[STEPS]["moe_aux_loss"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.runs(SINGLE, RUNS["fsdp2"], RESUMED)
+def test_fsdp2_checkpoint_resumes_in_one_process(batches):
+    """FSDP 2's step-5 checkpoint (experts sharded, expert biases replicated) continues in one process as the
+    straight runs do."""
+    run = batches.get(RESUMED)
+    assert "step-5 loaded" in run.log
+    _assert_matches(run, batches.get(SINGLE), range(6, STEPS + 1))
