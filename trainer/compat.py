@@ -24,8 +24,8 @@ from trainer.models.llama.flavors import TORCHTITAN_FLAVORS
 
 logger = logging.getLogger("trainer")
 
-_NO_EP = ("expert parallelism is not implemented yet: the experts of a mixture of experts are sharded by FSDP "
-          "(data_parallel_shard_degree)")
+_NO_ETP = ("expert tensor parallel is not implemented: the mixture-of-experts blocks are not split by tensor "
+           "parallel; split the experts with expert_parallel_degree")
 _NO_MX = "MX (microscaling) quantisation is not implemented; model.converters takes quantize.linear.float8"
 
 # Key -> why it cannot take another value than torchtitan's default. The defaults are the JobConfig's.
@@ -45,10 +45,11 @@ REFUSED: dict[str, str] = {
     "parallelism.pipeline_parallel_last_stage_less_layers": "the automatic split already spares the last stage; "
                                                             "use module_fqns_per_model_part",
     "parallelism.pipeline_parallel_schedule_csv": "schedules are chosen by name (pipeline_parallel_schedule)",
-    "parallelism.pipeline_parallel_expert_parallel_overlap": _NO_EP,
-    "parallelism.expert_parallel_degree": _NO_EP,
-    "parallelism.expert_tensor_parallel_degree": _NO_EP,
-    "parallelism.expert_parallel_comm_backend": _NO_EP,
+    "parallelism.pipeline_parallel_expert_parallel_overlap": "overlapping the pipeline's stages with the expert "
+                                                             "exchange is not implemented",
+    "parallelism.expert_tensor_parallel_degree": _NO_ETP,
+    "parallelism.expert_parallel_comm_backend": "the expert exchange is torch.distributed's all-to-all (DeepEP is "
+                                                "not here)",
     "checkpoint.enable_ft_dataloader_checkpoints": "with fault_tolerance.enable every replica group always saves "
                                                    "its own loader state (docs/multinode.md)",
     "checkpoint.initial_load_in_hf_quantized": "quantized Hugging Face checkpoints are not read",

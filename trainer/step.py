@@ -173,16 +173,21 @@ def clip_grad_norm(model_parts: list[torch.nn.Module], max_norm: float, pp_group
     """Global gradient norm over every parameter (all shards, and all pipeline stages over ``pp_group``, None
     without pipelining); clips in place when ``max_norm`` > 0."""
     params = [p for part in model_parts for p in part.parameters() if p.grad is not None]
-    grads = [p.grad for p in params]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(norm, torch.distributed.tensor.DTensor):
-        norm = norm.full_tensor()
+    # One norm per device mesh (expert parallel puts the experts on a mesh of their own), then combined; with one
+    # mesh, that norm as it is.
+    by_mesh: dict = {}
+    for p in params:
+        by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    norms = [plain(torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0, foreach=True))
+             for group in by_mesh.values()] or [torch.nn.utils.get_total_norm([], norm_type=2.0)]
+    norm = norms[0] if len(norms) == 1 else torch.stack(norms).pow(2).sum().sqrt()
     if pp_group is not None:
         squared = norm.pow(2)
         dist.all_reduce(squared, group=pp_group)
         norm = squared.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return norm
 
 

@@ -1,6 +1,7 @@
 """The mixture-of-experts debug model (debug_moe) in real runs over gloo: FSDP, HSDP, a pipeline with full
-activation checkpointing and context parallel reproduce the one-process losses, auxiliary losses and expert
-loads, and an FSDP checkpoint resumes in one process. (The layer against its definition, resume in one process:
+activation checkpointing, context parallel and expert parallel (EP 2 and 4, EP x FSDP, EP x HSDP, EP x PP)
+reproduce the one-process losses, auxiliary losses and expert loads, and an EP x FSDP checkpoint resumes in one
+process. (The layer against its definition, resume in one process:
 tests/unit/test_moe.py.)
 
 Two MoE blocks, 10 steps, a global batch of 8 sequences of 64 tokens, the sequence-wise auxiliary loss and a
@@ -24,11 +25,19 @@ FIELDS = ("moe_aux_loss", "moe_tokens_per_expert_min", "moe_tokens_per_expert_ma
 
 SINGLE = spec("moe_single", 1, *MOE, "--training.local_batch_size", "8")
 # name: (processes, local batch, extra args)
+EP2 = ["--parallelism.expert_parallel_degree", "2"]
+PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]
 LAYOUTS = {
-    "fsdp2": (2, 4, SAVE),
+    "fsdp2": (2, 4, []),
     "hsdp2": (2, 4, ["--parallelism.data_parallel_replicate_degree", "2"]),
-    "pp2_ac_full": (2, 8, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size",
-                           "2", "--activation_checkpoint.mode", "full"]),
+    "pp2_ac_full": (2, 8, [*PP2, "--activation_checkpoint.mode", "full"]),
+    # Expert parallel: the experts split over 2 or 4 ranks; with FSDP over the ranks holding the same experts
+    # (efsdp 2), with HSDP replicas, and in each stage of a pipeline.
+    "ep2": (2, 4, EP2),
+    "ep4": (4, 2, ["--parallelism.expert_parallel_degree", "4"]),
+    "ep2_fsdp2": (4, 2, [*EP2, *SAVE]),
+    "hsdp2_ep2": (4, 2, [*EP2, "--parallelism.data_parallel_replicate_degree", "2"]),
+    "pp2_ep2": (4, 4, [*EP2, *PP2]),
 }
 RUNS = {name: spec(f"moe_{name}", n, *MOE, "--training.local_batch_size", str(lb), *extra)
         for name, (n, lb, extra) in LAYOUTS.items()}
@@ -37,9 +46,12 @@ RUNS = {name: spec(f"moe_{name}", n, *MOE, "--training.local_batch_size", str(lb
 NO_AUX = ["--model.moe.aux_loss_coeff", "0"]
 SINGLE_NO_AUX = spec("moe_single_no_aux", 1, *MOE, *NO_AUX, "--training.local_batch_size", "8")
 CP2 = spec("moe_cp2", 2, *MOE, *NO_AUX, "--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2")
-# Step 5's checkpoint of FSDP 2, resumed by one process.
-RESUMED = spec("moe_fsdp2_to_single", 1, *MOE, "--training.local_batch_size", "8", *SAVE, after=(RUNS["fsdp2"],),
-               copy=((f"{{root}}/{RUNS['fsdp2']}/checkpoint/step-5", "{root}/moe_fsdp2_to_single/checkpoint/step-5"),))
+# Step 5's checkpoint of EP 2 x FSDP 2 (experts split over two ranks, each share sharded over two more),
+# resumed by one process.
+RESUMED = spec("moe_ep2_fsdp2_to_single", 1, *MOE, "--training.local_batch_size", "8", *SAVE,
+               after=(RUNS["ep2_fsdp2"],),
+               copy=((f"{{root}}/{RUNS['ep2_fsdp2']}/checkpoint/step-5",
+                      "{root}/moe_ep2_fsdp2_to_single/checkpoint/step-5"),))
 
 
 def _assert_matches(run, reference, steps) -> None:
@@ -72,10 +84,10 @@ def test_context_parallel_matches_one_process(batches):
 
 
 @pytest.mark.slow
-@pytest.mark.runs(SINGLE, RUNS["fsdp2"], RESUMED)
-def test_fsdp2_checkpoint_resumes_in_one_process(batches):
-    """FSDP 2's step-5 checkpoint (experts sharded, expert biases replicated) continues in one process as the
-    straight runs do."""
+@pytest.mark.runs(SINGLE, RUNS["ep2_fsdp2"], RESUMED)
+def test_ep2_fsdp2_checkpoint_resumes_in_one_process(batches):
+    """EP 2 x FSDP 2's step-5 checkpoint (each expert on one EP rank, sharded over two; expert biases
+    replicated) continues in one process as the straight runs do."""
     run = batches.get(RESUMED)
     assert "step-5 loaded" in run.log
     _assert_matches(run, batches.get(SINGLE), range(6, STEPS + 1))

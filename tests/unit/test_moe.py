@@ -246,7 +246,10 @@ def test_model_moe_keys_override_the_flavor_and_make_a_dense_flavor_moe():
     (["--model.flavor", "debug_moe", "--parallelism.tensor_parallel_degree", "2"], "does not split mixture"),
     (["--model.flavor", "debug_moe", "--model.moe.aux_loss_coeff", "0.01",
       "--parallelism.context_parallel_degree", "2"], "per-sequence loss"),
-    (["--model.flavor", "debug_moe", "--parallelism.expert_parallel_degree", "2"], "sharded by FSDP"),
+    (["--model.flavor", "debug_moe", "--parallelism.expert_parallel_degree", "3"], "must divide the number of experts"),
+    (["--model.flavor", "debug_moe", "--parallelism.expert_parallel_degree", "4"], "must divide data_parallel_shard"),
+    (["--parallelism.expert_parallel_degree", "2"], "has none"),
+    (["--model.flavor", "debug_moe", "--parallelism.expert_tensor_parallel_degree", "2"], "not split by tensor"),
     (["--model.flavor", "debug_moe", "--model.converters", "quantize.grouped_mm.float8",
       "--quantize.grouped_mm.float8.fqns", "experts"], 'quantize.grouped_mm.float8.fqns = ["experts"]'),
 ])
@@ -297,3 +300,22 @@ def test_exact_resume_restores_the_expert_bias(tmp_path, monkeypatch):
     for step in (4, 5, 6):
         assert {k: resumed[step][k] for k in keys} == {k: straight[step][k] for k in keys}, step
     assert straight[6]["moe_aux_loss"] > 0
+
+
+def test_plan_says_active_and_total_parameters_and_what_expert_parallel_changes():
+    """Scout's shape on 64 GPUs: total and active parameters; under EP 8 a block's all-gather holds 2 of the 16
+    experts (less gathered memory) and the all-to-alls are counted."""
+    from trainer.tools.plan.cli import format_report, plan
+
+    def planned(*args):
+        config = load_config(["--job.config_file", "train_configs/llama4_17bx16e.toml", *args], env={})
+        return plan(config, 64)
+
+    fsdp, ep = planned(), planned("--parallelism.expert_parallel_degree", "8")
+    m = fsdp["model"]
+    assert (m["params"], m["params_active"]) == (107_769_861_120, 17_172_894_720)
+    assert "active per token 17,172,894,720" in format_report(fsdp)
+    gathered = fsdp["configured"]["estimate_gib"]["weight_copies"], ep["configured"]["estimate_gib"]["weight_copies"]
+    assert gathered[1] < gathered[0] / 2
+    assert ep["expert_parallel"]["experts_per_rank"] == 2 and "expert_parallel" not in fsdp
+    assert ep["expert_parallel"]["all_to_all_gib_per_block"]["forward"] > 0

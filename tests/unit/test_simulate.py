@@ -97,6 +97,8 @@ def test_pipeline_fsdp_tp_stages():
     (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "4",
       "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--training.local_batch_size", "2"],
      "runs the single-stage pipeline schedules"),
+    (["--parallelism.expert_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "8",
+      "--model.moe.num_experts", "8"], "does not simulate expert parallel"),
 ])
 def test_layouts_out_of_reach_refuse_in_one_line(overrides, message, capsys):
     ngpu = {"3": "6", "8": "8"}.get(overrides[1], "8")
@@ -200,3 +202,20 @@ def test_roles_fork_unless_cuda_devices_are_visible(monkeypatch):
     assert role_start_method() == "spawn"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert role_start_method() == ("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+
+
+def test_llama4_scout_shape_on_64_ranks_shards_experts_on_their_hidden_dimension():
+    """Llama 4 Scout's shape (2 of its 48 blocks, 16 experts each) on FSDP 64: the experts are sharded on their
+    hidden dimension (16 experts over 64 ranks on dim 0 would pad each rank to a whole expert: 2.9x the
+    parameters), so each rank holds 1/64 of the model; the grouped matrix multiplies' FLOPs and FSDP's bytes
+    are the formulas'."""
+    config = load_config(["--job.config_file", str(ROOT / "train_configs" / "llama4_17bx16e.toml")], env={})
+    (row,) = simulate(config, 64, layers=2)["roles"]
+    mem, a = row["memory"], row["analytic"]
+    assert mem["after_step"]["params"] == a["param_bytes"]
+    total = 6_473_180_160  # count_params of the 2-block model: 2 x 2.2B blocks + 2 x 1.03B embedding/output
+    assert a["param_bytes"] == pytest.approx(4 * total / 64, rel=1e-3)
+    assert sum(row["flops"].values()) == pytest.approx(a["flops"]["total"], rel=0.02)
+    comm = _collectives(row)
+    for key in [("all_gather", "dp_shard"), ("reduce_scatter", "dp_shard")]:
+        assert comm[key]["bytes"] == pytest.approx(comm[key]["analytic_bytes"], rel=0.01), key

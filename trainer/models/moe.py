@@ -46,6 +46,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from trainer.models.llama.args import MoEArgs
 from trainer.torch_compat import grouped_mm
@@ -112,21 +113,44 @@ def experts_kernel_note(args, device_type: str, compute_dtype: torch.dtype, comp
             "the experts run as a loop, which reads their token counts on the host")
 
 
+def _local(w: torch.Tensor) -> torch.Tensor:
+    return w.to_local() if isinstance(w, DTensor) else w
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU experts: ``w2[e] (silu(w1[e] x) * w3[e] x)`` for the rows of ``x`` sent to ``e``."""
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True):
         super().__init__()
-        self.num_experts = num_experts
+        self.num_experts = num_experts  # all of them; under expert parallel this rank holds a share
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.use_grouped_mm = _experts_kernel(use_grouped_mm, dim, hidden_dim)
+        # Expert parallel sets 1 / degree: an expert's gradient sums every EP rank's tokens, and data parallel
+        # then averages it over the ranks holding that expert only (trainer/parallel/expert.py).
+        self.grad_scale = 1.0
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` ``[rows, dim]`` sorted by expert, ``counts`` ``[experts]`` rows per expert -> ``[rows, dim]``."""
-        # Under autocast without FSDP the weights are float32 and x is not: grouped_mm takes one dtype.
-        w1, w2, w3 = (w.to(x.dtype) for w in (self.w1, self.w2, self.w3))
+        # Expert parallel: this rank's experts (the local shard of a DTensor over the ep ranks). Under autocast
+        # without FSDP the weights are float32 and x is not: grouped_mm takes one dtype.
+        w1, w2, w3 = (_local(w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
+        if self.grad_scale != 1.0:
+            w1, w2, w3 = (_ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
         if self.use_grouped_mm and grouped_mm_runs(x):
             mm = grouped_mm()
             ends = torch.cumsum(counts, dim=0, dtype=torch.int32)
@@ -159,7 +183,12 @@ class _AttachAuxLoss(torch.autograd.Function):
 
 
 class MoE(nn.Module):
-    """Routed experts (plus optional shared experts) in place of a block's feed-forward; see the module doc."""
+    """Routed experts (plus optional shared experts) in place of a block's feed-forward; see the module doc.
+
+    ``expert_parallel`` (set by trainer/parallel/expert.py's ``apply_ep``): the exchange that takes each sorted
+    token copy to the rank holding its expert and back; None, every expert is here."""
+
+    expert_parallel = None
 
     def __init__(self, args: MoEArgs, dim: int, hidden_dim: int, shared_experts: nn.Module | None = None):
         super().__init__()
@@ -204,7 +233,12 @@ class MoE(nn.Module):
         rows = flat[order // self.top_k]
         if self.args.score_before_experts:
             rows = (rows.float() * sorted_weights[:, None]).to(x.dtype)
-        out = self.experts(rows, counts)
+        ep = self.expert_parallel
+        if ep is None:
+            out = self.experts(rows, counts)
+        else:  # the rows go to the ranks that hold their experts and come back (trainer/parallel/expert.py)
+            local_rows, local_counts, sent = ep.dispatch(rows, counts)
+            out = ep.combine(self.experts(local_rows, local_counts), sent)
         if not self.args.score_before_experts:
             out = (out.float() * sorted_weights[:, None]).to(x.dtype)
         elif keep is not None:  # a dropped copy's input is zero, and so is its output: exactly, but say it

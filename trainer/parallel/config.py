@@ -69,12 +69,15 @@ class Parallelism:
     exchanged so that each rank attends over the whole sequence with heads / degree heads; needs the heads
     and key/value heads divisible by the degree)."""
     expert_parallel_degree: int = 1
-    """Refused unless 1: expert parallelism is not implemented yet; the experts of a mixture of experts
-    ([model.moe]) are sharded by FSDP like every other weight."""
+    """Ranks the routed experts of each MoE layer are split over (expert parallelism; a mixture-of-experts model
+    only): each holds num_experts / degree of them, and token copies travel to their expert's rank and back by
+    all-to-all. The EP ranks are data-parallel ranks: the degree must divide data_parallel_shard_degree (and
+    the number of experts); FSDP then shards each rank's experts over the dp_shard / degree ranks holding the
+    same ones. See docs/moe.md."""
     expert_tensor_parallel_degree: int = 1
-    """Refused unless 1: expert parallelism is not implemented yet."""
+    """Refused unless 1: expert tensor parallel is not implemented (MoE blocks are not split by TP)."""
     expert_parallel_comm_backend: Literal["standard", "deepep"] = "standard"
-    """Refused unless "standard": expert parallelism is not implemented yet."""
+    """Refused unless "standard" (torch.distributed's all-to-all; DeepEP is not here)."""
 
 
 @dataclass
@@ -253,6 +256,7 @@ def check_layout(config, world_size: int) -> int:
         raise ConfigError(f"parallelism.tensor_parallel_degree ({tp}) must divide the SwiGLU hidden size "
                           f"({args.ffn_hidden_dim})")
     check_context_parallel(config, args, tp)
+    check_expert_parallel(config, args, shard)
     if pp > 1 and args.tie_word_embeddings:
         raise ConfigError(f"model.tie_word_embeddings (flavor {config.model.flavor}) cannot be trained with "
                           f"pipeline_parallel_degree {pp}: the embedding and the output layer live on different "
@@ -262,6 +266,25 @@ def check_layout(config, world_size: int) -> int:
         plan_stages(config, args.n_layers)
         n_microbatches(config, schedule_name(config.parallelism.pipeline_parallel_schedule))
     return rep * shard
+
+
+def check_expert_parallel(config, args, dp_shard: int) -> None:
+    """An expert-parallel degree that cannot split this model's experts or these data-parallel ranks."""
+    ep = config.parallelism.expert_parallel_degree
+    if ep < 1:
+        raise ConfigError(f"parallelism.expert_parallel_degree must be >= 1, got {ep}")
+    if ep == 1:
+        return
+    if args.moe is None:
+        raise ConfigError(f"parallelism.expert_parallel_degree ({ep}) splits the experts of a mixture of experts, and "
+                          f"flavor {config.model.flavor} has none: set it to 1, or choose an MoE flavor (debug_moe, "
+                          "llama4's) or model.moe.num_experts")
+    if args.moe.num_experts % ep:
+        raise ConfigError(f"parallelism.expert_parallel_degree ({ep}) must divide the number of experts "
+                          f"({args.moe.num_experts})")
+    if dp_shard % ep:
+        raise ConfigError(f"parallelism.expert_parallel_degree ({ep}) must divide data_parallel_shard_degree "
+                          f"({dp_shard}): the expert-parallel ranks are data-parallel ranks")
 
 
 def check_context_parallel(config, args, tp: int) -> None:

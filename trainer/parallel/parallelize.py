@@ -51,6 +51,10 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, config: 
             if not config.compile.enable or mesh.device_type != "cuda":
                 raise ConfigError("parallelism.enable_async_tensor_parallel needs compile.enable and GPUs")
             enable_async_tensor_parallel()
+    if dims.ep > 1:
+        from trainer.parallel.expert import apply_ep
+
+        apply_ep(model, dims.ep_mesh)
     if config.activation_checkpoint.mode != "none":
         apply_ac(model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option,
                  config.activation_checkpoint)
@@ -72,6 +76,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, config: 
             reshard_after_forward=config.parallelism.fsdp_reshard_after_forward,
             cpu_offload=config.training.enable_cpu_offload,
             pp_enabled=dims.pp > 1,
+            experts=dims.expert_fsdp_mesh,
         )
     return model
 
@@ -231,12 +236,16 @@ def apply_compile(model: nn.Module, backend: str) -> None:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-               reshard_after_forward: str, cpu_offload: bool, pp_enabled: bool) -> None:
+               reshard_after_forward: str, cpu_offload: bool, pp_enabled: bool,
+               experts: DeviceMesh | None = None) -> None:
     """Shard the embeddings, each block, the output layer, then the root (the final norm), each a group of
     its own (tied embeddings: the shared matrix stays in the root's group, with the final norm): the first all-gather (embeddings) is small and overlaps with nothing, the next ones
     overlap with the compute before them, and the output layer's gradient is reduce-scattered while the
     last block's backward runs instead of after everything. A 2-D ``dp_mesh`` (replicate, shard) gives
-    HSDP: reduce-scatter inside a replica group, all-reduce across replicas."""
+    HSDP: reduce-scatter inside a replica group, all-reduce across replicas.
+
+    Under expert parallel, ``experts`` is the mesh of the ranks holding the same experts: each block's routed
+    experts are a group of their own over it (trainer/parallel/expert.py)."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kwargs = {"mesh": dp_mesh, "mp_policy": mp}
     if cpu_offload:
@@ -254,9 +263,41 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: torch.dtyp
     for i, block in enumerate(blocks):
         # The last block's backward starts right after the forward ends: keep its parameters gathered.
         last = i == len(blocks) - 1 and reshard_after_forward == "default"
-        fully_shard(block, reshard_after_forward=reshard and not last, **kwargs)
+        if experts is not None:
+            _shard_experts(block, experts, reshard and not last, kwargs)
+        fully_shard(block, reshard_after_forward=reshard and not last,
+                    shard_placement_fn=_expert_placement(block, dp_mesh), **kwargs)
     if model.output is not None and not tied:
         # Used first in backward, right after forward: resharding it would only gather it again. (The final
         # norm, a vector, stays with the root.)
         fully_shard(model.output, reshard_after_forward=reshard_after_forward == "always", **kwargs)
     fully_shard(model, reshard_after_forward=reshard_after_forward == "always", **kwargs)
+
+
+def _expert_placement(block: nn.Module, mesh: DeviceMesh):
+    """FSDP's placement for ``block``'s routed experts when it shards them (no expert parallel) over more ranks
+    than there are experts: on the hidden dimension, since dim 0 would leave most ranks an expert-sized slice of
+    padding (16 experts over 64 ranks: 4x the memory); None (dim 0, FSDP's default) otherwise."""
+    from trainer.models.moe import moe_layers
+
+    ranks = mesh.size(mesh.ndim - 1)  # HSDP: the shard dimension
+    narrow = {id(p) for layer in moe_layers(block) if layer.expert_parallel is None and layer.num_experts < ranks
+              for p in layer.experts.parameters()}
+    if not narrow:
+        return None
+    return lambda param: Shard(1) if id(param) in narrow else None
+
+
+def _shard_experts(block: nn.Module, mesh: DeviceMesh, reshard: bool, kwargs: dict) -> None:
+    """FSDP over the expert mesh for each expert-parallel MoE layer of ``block`` (see :func:`apply_fsdp`). Each rank's
+    experts are sharded on the expert dimension, or on the hidden one when there are fewer local experts than
+    ranks to shard them over."""
+    from trainer.models.moe import moe_layers
+
+    for layer in moe_layers(block):
+        if layer.expert_parallel is None:
+            continue
+        local = layer.num_experts // layer.expert_parallel.degree
+        placement = (lambda param: Shard(1)) if local < mesh.size(mesh.ndim - 1) else None
+        fully_shard(layer.experts, reshard_after_forward=reshard, shard_placement_fn=placement,
+                    **{**kwargs, "mesh": mesh})

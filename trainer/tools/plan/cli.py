@@ -39,6 +39,7 @@ from trainer.tools.plan.memory import (
     checkpoint_staging_bytes,
     context_parallel_bytes,
     context_parallel_traffic,
+    expert_parallel_traffic,
     gpu_memory_gib,
     _stage_layers,
     memory_estimate,
@@ -69,6 +70,27 @@ def ac_name(config: JobConfig) -> str:
     return mode
 
 
+def _model_summary(config: JobConfig, args, shape: Shape) -> dict[str, Any]:
+    """The model part of the report: shape, parameters (by formula, cross-checked against a model built on the
+    meta device and the memory model's arithmetic), FLOPs per token."""
+    import torch
+
+    from trainer.models.llama.flops import count_params, flops_per_token, model_num_params
+    from trainer.models.llama.model import Transformer
+
+    with torch.device("meta"):
+        meta_params = model_num_params(Transformer(args))
+    params, active = count_params(args), count_params(args, active=True)
+    assert shape.total_params() == params, "plan's parameter arithmetic disagrees with count_params"
+    assert shape.active_params() == active, "plan's active parameters disagree"
+    return {"name": config.model.name, "flavor": config.model.flavor, "params": params,
+            "params_meta_model": meta_params, "params_non_embedding": count_params(args, exclude_embedding=True),
+            "params_active": active, "flops_per_token": flops_per_token(args, config.training.seq_len),
+            "seq_len": config.training.seq_len, "vocab_size": args.vocab_size, "dim": args.dim,
+            "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.num_kv_heads,
+            "ffn_hidden_dim": args.ffn_hidden_dim, "moe": _moe_summary(args)}
+
+
 def _moe_summary(args) -> str | None:
     """How a mixture of experts is laid out, in words (None for a dense model)."""
     if args.moe is None or not args.n_moe_layers:
@@ -83,29 +105,21 @@ def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | No
          usable_fraction: float = 0.9, max_local_batch: int | None = None, top: int = 10,
          measured: list[dict] | None = None) -> dict[str, Any]:
     """Everything ``trainer plan`` reports, as a JSON-able dict."""
-    import torch
-
-    from trainer.models.llama.flops import count_params, flops_per_token, model_num_params
-    from trainer.models.llama.model import Transformer
-
     args, note = model_args_for_plan(config)
     seq_len = config.training.seq_len
-    with torch.device("meta"):
-        meta_params = model_num_params(Transformer(args))
-    params = count_params(args)
     shape = Shape.from_args(args)
-    assert shape.total_params() == params, "plan's parameter arithmetic disagrees with count_params"
-    assert shape.active_params() == count_params(args, active=True), "plan's active parameters disagree"
-    fpt = flops_per_token(args, seq_len)
+    model = _model_summary(config, args, shape)
+    params, fpt = model["params"], model["flops_per_token"]
     capacity = (gpu_memory if gpu_memory is not None else gpu_memory_gib(gpu)) * GiB
     compute_dtype = "float32" if config.training.mixed_precision_param == "float32" else "bfloat16"
     cpu_offload = config.training.enable_cpu_offload
 
     rep, shard, tp, pp = resolve_degrees(config.parallelism, ngpu)
     cp, cp_method = config.parallelism.context_parallel_degree, config.parallelism.context_parallel_rotate_method
+    ep = config.parallelism.expert_parallel_degree
     block_causal = config.model.attn_mask_type == "block_causal"
     configured = Layout(rep, shard, tp, pp, config.training.local_batch_size, seq_len, ac_name(config),
-                        config.parallelism.pipeline_parallel_microbatch_size, cp=cp, cp_method=cp_method,
+                        config.parallelism.pipeline_parallel_microbatch_size, cp=cp, cp_method=cp_method, ep=ep,
                         block_causal=block_causal)
     optimizer = config.optimizer.name
     est = memory_estimate(shape, configured, compute_dtype=compute_dtype, cpu_offload=cpu_offload,
@@ -116,7 +130,7 @@ def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | No
                           global_batch=gb,
                           max_local_batch=max_local_batch or max(16, config.training.local_batch_size),
                           compute_dtype=compute_dtype, cpu_offload=cpu_offload, usable_fraction=usable_fraction,
-                          cp=cp, cp_method=cp_method, block_causal=block_causal, optimizer=optimizer)
+                          cp=cp, cp_method=cp_method, block_causal=block_causal, optimizer=optimizer, ep=ep)
 
     def layout_json(lay: Layout) -> dict:
         return dataclasses.asdict(lay) | {"describe": lay.describe()}
@@ -126,12 +140,7 @@ def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | No
 
     ac_table = _activations_by_ac(config, shape, configured, compute_dtype)
     result: dict[str, Any] = {
-        "model": {"name": config.model.name, "flavor": config.model.flavor, "params": params,
-                  "params_meta_model": meta_params, "params_non_embedding": count_params(args, exclude_embedding=True),
-                  "params_active": count_params(args, active=True),
-                  "flops_per_token": fpt, "seq_len": seq_len, "vocab_size": args.vocab_size, "dim": args.dim,
-                  "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.num_kv_heads,
-                  "ffn_hidden_dim": args.ffn_hidden_dim, "moe": _moe_summary(args)},
+        "model": model,
         "flops_formula": "6 * N_non_embedding + 12 * n_layers * n_heads * head_dim * seq_len (PaLM, appendix B)",
         "memory_formula": "per token per layer: norm(3) + 2*c*h + 2*c*kv + 4*n_heads + norm(2) + 4*c*F, norm(k) = "
                           "r*h + 4 + (r*h if r == c else k*c*h); see trainer/tools/plan/memory.py and docs/performance.md",
@@ -151,6 +160,8 @@ def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | No
         result["notes"].append(note)
     if cp > 1:
         _add_context_parallel(result, shape, configured, compute_dtype, args.n_layers)
+    if ep > 1:
+        result["expert_parallel"] = _expert_parallel(shape, configured, compute_dtype, args.moe.num_experts)
     if "quantize.linear.float8" in config.model.converters or config.compile.enable:
         result["notes"].append("estimate is for eager bf16; compile and float8 usually need less activation memory")
     _recommend(result, rows, configured, gb, ngpu, gpu, layout_json, est_gib)
@@ -171,6 +182,16 @@ def _activations_by_ac(config: JobConfig, shape: Shape, layout: Layout, compute_
                             optimizer=config.optimizer.name)
         table[ac] = round((e["activations"] + e["recompute"]) / GiB, 3)
     return table
+
+
+def _expert_parallel(shape: Shape, layout: Layout, compute_dtype: str, num_experts: int) -> dict:
+    """What expert parallelism does to this layout: experts per rank, the all-to-alls' bytes per MoE block and
+    per micro-batch (evenly routed)."""
+    per_block = expert_parallel_traffic(shape, layout, 4 if compute_dtype == "float32" else 2)
+    layers = math.ceil(shape.moe_layers / layout.pp)
+    return {"degree": layout.ep, "experts_per_rank": num_experts // layout.ep,
+            "all_to_all_gib_per_block": {k: round(v / GiB, 4) for k, v in per_block.items()},
+            "all_to_all_gib_per_micro_batch": round(layers * sum(per_block.values()) / GiB, 3)}
 
 
 def _add_context_parallel(result: dict, shape: Shape, layout: Layout, compute_dtype: str, n_layers: int) -> None:
@@ -302,6 +323,13 @@ def format_report(r: dict) -> str:
                      f"{traffic['backward']:.4f} GiB backward per block ({cp['collective_gib_per_micro_batch']:.3f} GiB "
                      f"per micro-batch); {cp['added_activations_gib']:.3f} GiB of the activations are CP's "
                      "(gathered keys/values, mask)")
+    if "expert_parallel" in r:
+        ep = r["expert_parallel"]
+        traffic = ep["all_to_all_gib_per_block"]
+        lines.append(f"  expert parallel {ep['degree']}: {ep['experts_per_rank']} experts per rank (a block's "
+                     f"all-gather holds those only); all-to-alls {traffic['forward']:.4f} GiB forward + "
+                     f"{traffic['backward']:.4f} GiB backward per MoE block ({ep['all_to_all_gib_per_micro_batch']:.3f} "
+                     "GiB per micro-batch), evenly routed")
     for row in r["measured"]:
         lines.append(f"  measured peak ({row['variant']}): {row['measured_gib']:.2f} GiB vs estimate {row['estimate_gib']:.2f}")
     lines.append("")

@@ -157,11 +157,14 @@ class Shape:
             return self.attention_matrices + 3 * self.dim * self.ffn
         return self.attention_matrices + self._ffn_matrices_total() / self.n_layers
 
-    @property
-    def largest_layer_matrices(self) -> int:
-        """The largest block's matrix parameters (what one block's all-gather holds)."""
+    def gathered_layer_matrices(self, ep: int = 1) -> float:
+        """The largest block's matrix parameters as one block's all-gather holds them: under expert parallel
+        (``ep`` > 1) a rank gathers its own share of the routed experts only."""
         dense = 3 * self.dim * self.ffn if self.moe_layers < self.n_layers else 0
-        return self.attention_matrices + max(dense, self.moe_ffn_matrices if self.moe_layers else 0)
+        moe = 0.0
+        if self.moe_layers:
+            moe = self.moe_ffn_matrices - 3 * self.dim * self.expert_ffn * self.experts * (1 - 1 / ep)
+        return self.attention_matrices + max(dense, moe)
 
     @property
     def ffn_activation(self) -> float:
@@ -212,6 +215,7 @@ class Layout:
     ac: str = "none"  # none | selective_op | selective_N (N an integer) | full
     pp_microbatch_size: int = 1
     cp: int = 1  # context parallel: each sequence split over cp ranks
+    ep: int = 1  # expert parallel: the routed experts split over ep of the dp_shard ranks
     cp_method: str = "allgather"
     block_causal: bool = False
 
@@ -247,6 +251,8 @@ class Layout:
             parts.append(f"pp {self.pp}")
         if self.cp > 1:
             parts.append(f"cp {self.cp} ({self.cp_method})")
+        if self.ep > 1:
+            parts.append(f"ep {self.ep}")
         parts.append(f"ac {self.ac}")
         parts.append(f"local batch {self.local_batch_size} x {self.seq_len}")
         return ", ".join(parts)
@@ -320,6 +326,16 @@ def context_parallel_bytes(s: Shape, p: Precision, layout: Layout, layers: int, 
         mask = local * seq * (sequences if layout.block_causal else 1)
         return kv + mask
     return seq * seq * sequences if layout.block_causal else 0.0
+
+
+def expert_parallel_traffic(s: Shape, layout: Layout, compute_bytes: int) -> dict[str, float]:
+    """Bytes one rank sends per MoE block and micro-batch under expert parallel (trainer/parallel/expert.py),
+    evenly routed: forward, its token copies out to the experts' ranks and the outputs back (two all-to-alls of
+    ``top_k x tokens x dim``, the share staying on the rank excluded); backward the same again."""
+    tokens = layout.local_batch_size * layout.local_seq_len
+    leaving = (layout.ep - 1) / layout.ep
+    one_way = s.top_k * tokens * s.dim * compute_bytes * leaving
+    return {"forward": 2 * one_way, "backward": 2 * one_way}
 
 
 def context_parallel_traffic(s: Shape, layout: Layout, compute_bytes: int, sequences: int) -> dict[str, float]:
@@ -421,7 +437,7 @@ def memory_estimate(s: Shape, layout: Layout, *, compute_dtype: str = "bfloat16"
         if p.fsdp:
             # Gathered (unsharded over dp) block parameters in the compute dtype: the running block and the
             # prefetched one; in backward one block's unsharded gradient plus its fp32 reduce-scatter copy.
-            block = s.largest_layer_matrices / tp + s.layer_norms
+            block = s.gathered_layer_matrices(layout.ep) / tp + s.layer_norms
             per_block = 2 * c + c + (4 if c < 4 else 0)
             gathered = block * (per_block if layers >= 2 else c + c + (4 if c < 4 else 0)) if layers else 0.0
             root = ((s.embedding if first else 0) + (s.output if last else 0)) / tp + (s.dim if last else 0)
@@ -507,7 +523,7 @@ def _peak(out: dict, s: Shape, layout: Layout, p: Precision, layers: int, first:
     output = (0 if s.tied and first else s.vocab * s.dim) if last else 0
     root = ((s.embedding if first else 0) + output) / tp + (s.dim if last else 0)
     if p.fsdp:
-        block = s.largest_layer_matrices / tp + s.layer_norms
+        block = s.gathered_layer_matrices(layout.ep) / tp + s.layer_norms
         kept = layers if reshard_after_forward == "never" else (
             1 if reshard_after_forward == "default" and layout.pp == 1 else 0)
         gathered_at_loss = c * (root + kept * block)  # the last block's backward follows its forward
@@ -552,14 +568,14 @@ def search_layouts(s: Shape, ngpu: int, *, seq_len: int, capacity_bytes: float, 
                    dp_replicate: int = 1, global_batch: int = -1, max_local_batch: int = 16,
                    compute_dtype: str = "bfloat16", cpu_offload: bool = False, usable_fraction: float = 0.9,
                    max_tp: int = 8, min_tokens: int = 4096, cp: int = 1, cp_method: str = "allgather",
-                   block_causal: bool = False, optimizer: str = "AdamW") -> list[dict]:
+                   block_causal: bool = False, optimizer: str = "AdamW", ep: int = 1) -> list[dict]:
     """Every (tp, fsdp, ac, local batch) for ``ngpu`` GPUs with its estimate, fitting ones first, best first.
 
     Order among fitting layouts (a preference, not a throughput model): the smallest TP degree (TP costs
     communication on every layer); then micro-batches of at least ``min_tokens`` tokens where possible
     (small matmuls waste the GPU); then the least recomputation (none < selective op < selective N < full);
-    then the largest local batch (fewer accumulation steps). A context-parallel degree ``cp`` is kept as
-    given."""
+    then the largest local batch (fewer accumulation steps). Context- and expert-parallel degrees (``cp``,
+    ``ep``) are kept as given."""
     rows = []
     for tp in (1, 2, 4, 8):
         if tp > max_tp or ngpu % (tp * pp * dp_replicate * cp):
@@ -567,13 +583,15 @@ def search_layouts(s: Shape, ngpu: int, *, seq_len: int, capacity_bytes: float, 
         if s.n_heads % tp or (s.kv_dim // (s.dim // s.n_heads)) % tp or (tp > 1 and s.moe_layers):
             continue
         shard = ngpu // (tp * pp * dp_replicate * cp)
+        if shard % ep:
+            continue
         dp = shard * dp_replicate
         lb = 1
         while lb <= max_local_batch:
             if global_batch <= 0 or global_batch % (lb * dp) == 0:
                 for ac in AC_MODES:
                     layout = Layout(dp_replicate, shard, tp, pp, lb, seq_len, ac, cp=cp, cp_method=cp_method,
-                                    block_causal=block_causal)
+                                    block_causal=block_causal, ep=ep)
                     est = memory_estimate(s, layout, compute_dtype=compute_dtype, cpu_offload=cpu_offload,
                                           optimizer=optimizer)
                     fits = est["total"] <= usable_fraction * capacity_bytes

@@ -60,13 +60,16 @@ def local_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
 
 def sharded_elements(param_shapes: dict[str, tuple[int, ...]], dims: ParallelDims) -> int:
     """Elements of this rank's parameter shards: each parameter's TP-local shape, split over the FSDP
-    shards along dim 0 with FSDP2's padding (every shard holds ceil(dim0 / dp_shard) rows)."""
+    shards along dim 0 with FSDP2's padding (every shard holds ceil(dim0 / dp_shard) rows); routed experts
+    fewer than the shards along dim 1. (Expert parallel is not simulated.)"""
     total = 0
     shard = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1  # FSDP shards over dp_shard x cp
     for name, shape in param_shapes.items():
         local = local_shape(name, shape, dims.tp)
-        rows = math.ceil(local[0] / shard)
-        total += rows * math.prod(local[1:])
+        # A mixture of experts' routed weights ([experts, out, in]) with fewer experts than shards: FSDP shards
+        # them on dim 1 instead (trainer/parallel/parallelize.py).
+        dim = 1 if ".moe.experts." in name and local[0] < shard else 0
+        total += math.ceil(local[dim] / shard) * math.prod(local) // local[dim]
     return total
 
 

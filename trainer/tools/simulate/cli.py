@@ -345,6 +345,10 @@ def simulate(config, ngpu: int, layers: int | None = None, ranks: list[int] | No
     from trainer.tools.simulate import world
 
     config, notes = world.simulation_config(config)
+    if config.parallelism.expert_parallel_degree > 1:
+        # Its exchange sizes are read on the host from the routing, which fake tensors do not have.
+        raise ConfigError("trainer simulate does not simulate expert parallel yet: simulate with "
+                          "parallelism.expert_parallel_degree = 1, and see `trainer plan` for what EP changes")
     args, note = model_args_for_plan(config)
     if note:
         notes.append(note)

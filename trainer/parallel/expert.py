@@ -1,0 +1,107 @@
+"""Expert parallelism: the routed experts of every MoE layer split over ``ep`` ranks, tokens sent to the rank
+that holds their expert and back.
+
+The ``ep`` ranks are a part of the data-parallel (FSDP) ranks: ``dp_shard = efsdp x ep`` (ParallelDims), so each
+EP rank brings its own tokens. Expert ``e``'s weights live on EP rank ``e // (experts / ep)`` (a DTensor sharded on
+the expert dimension over the ``ep`` mesh); FSDP then shards each rank's experts over the ``efsdp`` ranks that
+hold the same ones (trainer/parallel/parallelize.py), and everything else over all of ``dp_shard`` as before.
+
+In a layer's forward (:class:`ExpertParallel`, called by ``MoE.forward`` between sorting and unsorting):
+
+1. each rank sends every other its number of token copies per expert (an all-to-all of ``experts`` counts), so
+   both sides know the sizes of the exchange (read on the host: the one sync of a layer);
+2. the copies, sorted by expert, go to the ranks holding their experts (a variable-size all-to-all), arrive
+   grouped by sender, and are regrouped by local expert for the grouped matrix multiply;
+3. the outputs are put back in the order they arrived and return to their senders (the reverse all-to-all).
+
+Both exchanges are autograd functions over torch.distributed (:class:`_AllToAllV`), so gloo on CPU and NCCL on
+GPU run the same code. A token's output does not depend on the EP degree: the same expert weights meet the same
+rows. An expert's weight gradient sums the contributions of every sender; FSDP then averages it over the ranks
+holding that expert only, so the experts scale their gradients by ``1 / ep`` (``GroupedExperts.grad_scale``, in
+the graph: no reduction option that gloo lacks), and every gradient is the average over all data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class _AllToAllV(torch.autograd.Function):
+    """All-to-all of rows along dim 0 with per-rank sizes: ``send[j]`` rows go to rank j, ``recv[j]`` come from
+    it (in rank order); backward sends the gradients the other way."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        out = t.new_empty((sum(recv), *t.shape[1:]))
+        dist.all_to_all_single(out, t.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), output_split_sizes=ctx.send, input_split_sizes=ctx.recv,
+                               group=ctx.group)
+        return out, None, None, None
+
+
+@dataclass
+class Dispatched:
+    """What :meth:`ExpertParallel.combine` needs to send a dispatch's outputs back."""
+
+    send: list[int]
+    recv: list[int]
+    order: torch.Tensor  # arrival position of each row in local-expert order
+
+
+@dataclass
+class ExpertParallel:
+    """One MoE layer's expert-parallel exchange over ``group`` (``degree`` ranks, this one ``rank``)."""
+
+    group: object
+    degree: int
+    rank: int
+
+    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Dispatched]:
+        """``rows`` sorted by (global) expert with ``counts`` per expert -> the rows this rank's experts take,
+        sorted by local expert, their counts per local expert, and the state :meth:`combine` needs."""
+        local = counts.numel() // self.degree
+        with torch.no_grad():
+            received = torch.empty_like(counts)
+            dist.all_to_all_single(received, counts.contiguous(), group=self.group)
+            received = received.view(self.degree, local)  # [sender, local expert]
+            sizes = torch.stack([counts.view(self.degree, local).sum(1), received.sum(1)]).tolist()
+            # Arrived grouped by sender, then by local expert: regroup by local expert, senders in order.
+            expert_of_row = torch.arange(local, device=counts.device).repeat(self.degree).repeat_interleave(
+                received.flatten())
+            order = torch.argsort(expert_of_row, stable=True)
+        send, recv = sizes
+        arrived = _AllToAllV.apply(rows, send, recv, self.group)
+        return arrived[order], received.sum(0), Dispatched(send, recv, order)
+
+    def combine(self, out: torch.Tensor, state: Dispatched) -> torch.Tensor:
+        """The experts' outputs (local-expert order) back to their senders, in the order they were sent."""
+        arrived = torch.empty_like(out)
+        arrived[state.order] = out
+        return _AllToAllV.apply(arrived, state.recv, state.send, self.group)
+
+
+def apply_ep(model: nn.Module, ep_mesh) -> None:
+    """Split the routed experts of every MoE layer of ``model`` (on the meta device) over ``ep_mesh``: their
+    weights become DTensors sharded on the expert dimension, and each layer gets its :class:`ExpertParallel`."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from trainer.models.moe import moe_layers
+
+    for layer in moe_layers(model):
+        experts = layer.experts
+        for name, param in list(experts.named_parameters(recurse=False)):
+            experts.register_parameter(name, nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)])))
+        layer.expert_parallel = ExpertParallel(ep_mesh.get_group(), ep_mesh.size(), ep_mesh.get_local_rank())
+        # Each expert's gradient sums the contributions of the tokens of all ep ranks, and FSDP averages it over
+        # the dp_shard / ep ranks that hold the same expert: 1 / ep makes that the average over all of dp_shard.
+        experts.grad_scale = 1.0 / ep_mesh.size()
