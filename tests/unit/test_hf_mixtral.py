@@ -202,7 +202,8 @@ def test_fused_layout_and_initial_load_in_hf_read_the_same_weights(mixtral, tmp_
     assert (_ours(build_model(args, per_expert), _tokens()) - _ours(model, _tokens())).abs().max().item() <= 1e-6
 
     with torch.device("meta"):  # a model routing otherwise is refused before any data is read
-        sigmoid = Transformer(dataclasses.replace(balanced, moe=dataclasses.replace(balanced.moe, score_func="sigmoid")))
+        sigmoid = Transformer(dataclasses.replace(balanced, moe=dataclasses.replace(balanced.moe,
+                                                                                    score_func="sigmoid")))
     with pytest.raises(ConfigError, match="moe.score_func softmax != sigmoid"):
         load_hf_into(sigmoid, folder)
 
@@ -234,6 +235,8 @@ def test_sliding_window_as_long_as_the_sequences_is_accepted(mixtral):
     with pytest.raises(ConfigError, match="max_position_embeddings 256"):
         hf_config_to_args(cfg)
     assert hf_config_to_args(cfg, seq_len=128).moe.num_experts == 4  # initial_load_in_hf at training.seq_len 128
+    with pytest.raises(ConfigError, match="shorter than training.seq_len 129"):
+        hf_config_to_args(cfg, seq_len=129)
 
 
 def _moe_args(**routing):

@@ -323,7 +323,8 @@ def model_config_keys(args: LlamaModelArgs) -> dict:
                        "route_norm": moe.route_norm, "route_scale": float(moe.route_scale),
                        "score_before_experts": moe.score_before_experts,
                        "load_balance_coeff": float(moe.load_balance_coeff or 0.0),
-                       "aux_loss_coeff": float(moe.aux_loss_coeff), "capacity_factor": float(moe.capacity_factor or 0.0)}
+                       "aux_loss_coeff": float(moe.aux_loss_coeff),
+                       "capacity_factor": float(moe.capacity_factor or 0.0)}
     return keys
 
 

@@ -261,10 +261,10 @@ def hf_to_native_state_dict(sd: dict[str, torch.Tensor], n_heads: int, n_kv_head
         if expert:
             experts.setdefault(f"layers.{m.group(1)}.moe.experts.{expert.group(2)}", {})[int(expert.group(1))] = tensor
             continue
-        fused = {leaf: half for leaf, (f, half) in _FUSED_EXPERTS.items() if m and m.group(2) == f}
-        for leaf, half in fused.items():
-            out[f"layers.{m.group(1)}.{leaf}"] = tensor if half is None else tensor.chunk(2, dim=1)[half]
-        if fused:
+        fused = [(leaf, half) for leaf, (f, half) in _FUSED_EXPERTS.items() if m and m.group(2) == f]
+        if fused:  # gate_up_proj holds w1 and w3
+            for leaf, half in fused:
+                out[f"layers.{m.group(1)}.{leaf}"] = tensor if half is None else tensor.chunk(2, dim=1)[half]
             continue
         native = hf_to_native_key(name)
         if native.endswith("attention.wq.weight"):
@@ -508,10 +508,11 @@ def hf_config_to_args(cfg: dict[str, Any], source: str = "config.json", seq_len:
                           f"num_attention_heads={n_heads} is not supported (head_dim must be hidden_size / heads)")
     window, longest = cfg.get("sliding_window"), seq_len or cfg.get("max_position_embeddings")
     if window is not None and (not isinstance(window, int) or longest is None or window < longest):
-        what = f"the sequence length {seq_len}" if seq_len else f"max_position_embeddings {longest}"
-        raise ConfigError(f"{source}: sliding_window={json.dumps(window)} is shorter than {what}: this model has no "
-                          "sliding-window attention (train on sequences of at most sliding_window tokens, "
-                          "training.seq_len, loading the folder with checkpoint.initial_load_in_hf)")
+        what, fix = ((f"training.seq_len {seq_len}", "set training.seq_len to at most the window") if seq_len else
+                     (f"max_position_embeddings {longest}", "load the folder with checkpoint.initial_load_in_hf and "
+                      "training.seq_len at most the window"))
+        raise ConfigError(f"{source}: sliding_window={json.dumps(window)} is shorter than {what}, and this model "
+                          f"attends over the whole sequence (no sliding window): {fix}")
     theta, rope_scaling = _rope_from_hf(cfg, source)
     moe = {}
     if model_type == "mixtral":
