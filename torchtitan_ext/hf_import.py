@@ -158,8 +158,8 @@ def import_toml(args, step_dir: Path, folder: Path) -> str:
     lines = [f"# {folder.resolve()} as imported by `trainer import`: add to your training config.", "[model]"]
     lines += [f"{k} = {_toml_value(v)}" for k, v in model.items()]
     if moe is not None:
-        lines += ["", "# Mixtral's routing; no balancing (set load_balance_coeff or aux_loss_coeff to balance, "
-                  "docs/moe.md)", "[model.moe]"]
+        lines += ["", "# Mixtral's routing, no load balancing: to add some, see docs/export_eval.md (Mixtral folders)",
+                  "[model.moe]"]
         lines += [f"{k} = {_toml_value(v)}" for k, v in moe.items()]
     lines += ["", "[checkpoint]", f"initial_load_path = {_toml_value(str(step_dir.resolve()))}", ""]
     return "\n".join(lines)
