@@ -1,4 +1,4 @@
-"""Hugging Face Llama interop: ``trainer export`` (DCP -> HF folder) and import (HF folder -> our model).
+"""Hugging Face Llama and Mixtral interop: ``trainer export`` (DCP -> HF folder) and import (HF folder -> our model).
 
 The key mapping, the RoPE permutation of ``wq``/``wk``, reading an HF safetensors folder and loading it
 into a (sharded) model live in the core, :mod:`trainer.models.llama.hf_adapter` (the trainer starts
@@ -28,6 +28,7 @@ from trainer.tools.checkpoint_model import describe_checkpoint
 from trainer.models.llama.hf_adapter import (
     SAFETENSORS_INDEX,
     hf_config_to_args,
+    hf_names,
     hf_order,
     hf_to_native_key,
     hf_to_native_state_dict,
@@ -53,6 +54,7 @@ __all__ = [
     "load_hf_model",
     "load_hf_state_dict",
     "main",
+    "mixtral_differences",
     "native_to_hf_key",
     "native_to_hf_state_dict",
     "permute_for_hf",
@@ -70,7 +72,8 @@ __all__ = [
 
 
 def llama_hf_config(args, *, max_position_embeddings: int, dtype: torch.dtype, tokenizer=None) -> dict[str, Any]:
-    """A ``config.json`` for ``LlamaForCausalLM`` equivalent to our ``LlamaModelArgs``."""
+    """A ``config.json`` for ``LlamaForCausalLM`` equivalent to our ``LlamaModelArgs``; for a mixture of
+    experts with Mixtral's routing (:func:`mixtral_differences` empty), one for ``MixtralForCausalLM``."""
     rope_scaling = None
     if args.rope_scaling is not None:
         s = args.rope_scaling
@@ -106,6 +109,16 @@ def llama_hf_config(args, *, max_position_embeddings: int, dtype: torch.dtype, t
         "use_cache": True,
         "torch_dtype": dtype_name,
     }
+    if args.moe is not None:
+        for key in ("mlp_bias", "pretraining_tp"):
+            del config[key]
+        config.update(
+            architectures=["MixtralForCausalLM"], model_type="mixtral", intermediate_size=args.expert_hidden_dim,
+            num_local_experts=args.moe.num_experts, num_experts_per_tok=args.moe.top_k,
+            # transformers adds it (per batch) only with output_router_logits; ours was per sequence.
+            router_aux_loss_coef=float(args.moe.aux_loss_coeff), router_jitter_noise=0.0,
+            output_router_logits=False, sliding_window=None)
+        del config["attention_bias"]
     if tokenizer is not None:
         config["bos_token_id"] = tokenizer.bos_id
         config["eos_token_id"] = tokenizer.eos_id
@@ -265,11 +278,56 @@ def tiktoken_to_tokenizer_json(ranks_path: Path, out: Path) -> None:
     tok.save(str(out))
 
 
+def mixtral_differences(args) -> list[str]:
+    """How a mixture of experts differs from Mixtral's (the one Hugging Face MoE layout written here): every
+    block an MoE, softmax scores renormalised over the top k, applied to the experts' outputs, no shared
+    experts, no scaling. Empty for a Mixtral-shaped model."""
+    moe = args.moe
+    if moe is None:
+        return []
+    out = []
+    if args.interleave_moe_layer_step != 1:
+        out.append(f"interleave_moe_layer_step {args.interleave_moe_layer_step} (Mixtral: every block)")
+    if moe.score_func != "softmax":
+        out.append(f"score_func {moe.score_func} (Mixtral: softmax)")
+    if not moe.route_norm:
+        out.append("route_norm false (Mixtral renormalises the top-k scores)")
+    if moe.route_scale != 1.0:
+        out.append(f"route_scale {moe.route_scale} (Mixtral: 1)")
+    if moe.score_before_experts:
+        out.append("score_before_experts true (Mixtral scales the experts' outputs)")
+    if moe.num_shared_experts:
+        out.append(f"num_shared_experts {moe.num_shared_experts} (Mixtral: none)")
+    return out
+
+
 def _refuse_experts(args, flavor: str) -> None:
-    """Only dense Llama models have a Hugging Face layout here yet."""
-    if args.moe is not None:
-        raise ValueError(f"{flavor} is a mixture of experts: export to Hugging Face covers dense Llama models only "
-                         "for now; keep the DCP checkpoint (trainer eval and generate read it)")
+    """Only dense Llama models and Mixtral-shaped mixtures of experts have a Hugging Face layout here."""
+    differences = mixtral_differences(args)
+    if differences:
+        raise ValueError(f"{flavor} is a mixture of experts that Mixtral's Hugging Face layout cannot hold: "
+                         f"model.moe {'; '.join(differences)}; keep the DCP checkpoint (trainer eval and generate "
+                         "read it)")
+
+
+def _check_expert_bias(biases: dict[str, torch.Tensor], drop: bool) -> None:
+    """Mixtral has no routing bias: refuse to drop a non-zero one (it changes which experts tokens go to)
+    unless asked, and say that it was dropped."""
+    moved = [name for name, bias in biases.items() if bias.abs().max().item() > 0]
+    if not moved:
+        return
+    if not drop:
+        raise ValueError(f"{moved[0]} is not zero ({len(moved)} block(s) trained with model.moe.load_balance_coeff): "
+                         "Mixtral has no routing bias, so the export would route tokens to other experts than this "
+                         "model does; pass --drop_expert_bias to export without it, or keep the DCP checkpoint")
+    logger.warning("the expert bias of %d block(s) is dropped (--drop_expert_bias): the export routes without it "
+                   "and its logits differ from this model's", len(moved))
+
+
+def _note_capacity(args) -> None:
+    if args.moe is not None and args.moe.capacity_factor is not None:
+        logger.warning("model.moe.capacity_factor %s is not exported: Mixtral runs every token through its "
+                       "experts (dropless)", args.moe.capacity_factor)
 
 
 def export_checkpoint(
@@ -284,14 +342,18 @@ def export_checkpoint(
     max_shard_size: str = "5GB",
     max_position_embeddings: int | None = None,
     overwrite: bool = False,
+    drop_expert_bias: bool = False,
 ) -> Path:
-    """Write a DCP checkpoint as a Hugging Face Llama folder; returns the folder."""
+    """Write a DCP checkpoint as a Hugging Face Llama (or Mixtral) folder; returns the folder. Nothing is
+    written when the model has no such layout."""
     out = Path(output)
     if out.exists() and not out.is_dir():  # before reading the checkpoint: a mistake costs no time
         raise FileExistsError(f"--output {out} is a file; name a folder for the Hugging Face files")
     info = describe_checkpoint(checkpoint, config_path=config_path, flavor=flavor,
                                tokenizer_path=tokenizer_path, step=step)
     _refuse_experts(info.args, info.config.model.flavor)
+    _check_expert_bias(_checkpoint_biases(info), drop_expert_bias)
+    _note_capacity(info.args)
     if out.exists() and any(out.iterdir()):
         if not overwrite:
             raise FileExistsError(f"output folder {out} is not empty; pass --overwrite to replace its contents")
@@ -307,6 +369,26 @@ def export_checkpoint(
     return out
 
 
+def _is_bias(name: str) -> bool:
+    return name.endswith(".moe.expert_bias")
+
+
+def _checkpoint_biases(info) -> dict[str, torch.Tensor]:
+    """The expert biases a checkpoint holds (none without load_balance_coeff)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    entries = {k: v for k, v in checkpoint_model_entries(info.step_dir).items() if _is_bias(k)}
+    if not entries:
+        return {}
+    flat = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in entries.items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.load(flat, storage_reader=dcp.FileSystemReader(str(info.step_dir)))
+    return {clean_fqn(k[len("model."):]): v for k, v in flat.items()}
+
+
 def _export_streaming(info, out: Path, dtype: torch.dtype, max_shard_bytes: int) -> None:
     """Read the checkpoint one output shard at a time (DCP loads any subset of keys), so the export
     needs memory for one shard, not for the whole model."""
@@ -318,7 +400,8 @@ def _export_streaming(info, out: Path, dtype: torch.dtype, max_shard_bytes: int)
     entries = {clean_fqn(k[len("model."):]): (k, v) for k, v in checkpoint_model_entries(info.step_dir).items()}
     wanted = native_weight_names(args)
     missing = [k for k in wanted if k not in entries]
-    extra = [k for k in entries if k not in wanted and not (args.tie_word_embeddings and k == "output.weight")]
+    extra = [k for k in entries if k not in wanted and not (args.tie_word_embeddings and k == "output.weight")
+             and not _is_bias(k)]
     if missing or extra:
         raise ValueError(f"checkpoint {info.step_dir} does not match {info.config.model.flavor}: missing "
                          f"{missing[:5]}, unexpected {extra[:5]} (wrong --flavor?)")
@@ -328,7 +411,8 @@ def _export_streaming(info, out: Path, dtype: torch.dtype, max_shard_bytes: int)
         if shape != expected_shapes[name]:
             raise ValueError(f"checkpoint {info.step_dir}: {name} has shape {shape}, flavor "
                              f"{info.config.model.flavor!r} expects {expected_shapes[name]} (wrong --flavor?)")
-    ordered = sorted(wanted, key=lambda k: hf_order(native_to_hf_key(k)))
+    experts = args.moe.num_experts if args.moe is not None else 0
+    ordered = sorted(wanted, key=lambda k: hf_order(hf_names(k, experts)[0]))
     itemsize = torch.empty((), dtype=dtype).element_size()
     sizes = [(k, itemsize * int(torch.Size(entries[k][1].size).numel())) for k in ordered]
     shards = plan_shards(sizes, max_shard_bytes)
@@ -371,27 +455,32 @@ def _write_metadata_files(args, out: Path, dtype: torch.dtype, context: int, tok
 
 def write_hf_folder(sd: dict[str, torch.Tensor], args, out: str | Path, *, dtype="bf16",
                     max_position_embeddings: int, tokenizer=None, tokenizer_path: str | Path | None = None,
-                    max_shard_size: str = "5GB", source: str = "model") -> Path:
-    """Write a native state dict (our FQNs) as a Hugging Face Llama folder."""
+                    max_shard_size: str = "5GB", source: str = "model", drop_expert_bias: bool = False) -> Path:
+    """Write a native state dict (our FQNs) as a Hugging Face Llama folder, or a Mixtral folder for a
+    mixture of experts with Mixtral's routing (anything else is refused before anything is written; so is
+    a non-zero expert bias unless ``drop_expert_bias``)."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     torch_dtype = parse_dtype(dtype)
     _refuse_experts(args, "this model")
+    _check_expert_bias({k: v for k, v in sd.items() if _is_bias(k)}, drop_expert_bias)
+    _note_capacity(args)
+    sd = {k: v for k, v in sd.items() if not _is_bias(k)}
+    shapes = _expected_shapes(args)
+    for name, tensor in sd.items():
+        if name in shapes and tuple(tensor.shape) != shapes[name]:
+            raise ValueError(f"{source}: {name} has shape {tuple(tensor.shape)}, the config expects {shapes[name]}")
+    out.mkdir(parents=True, exist_ok=True)
     if args.tie_word_embeddings and "output.weight" in sd and "tok_embeddings.weight" in sd:
         if not torch.equal(sd["output.weight"], sd["tok_embeddings.weight"]):
             logger.warning("tie_word_embeddings is set but output.weight differs from tok_embeddings.weight; "
                            "exporting tok_embeddings.weight")
     hf_sd = native_to_hf_state_dict({k: v.to(torch_dtype) for k, v in sd.items()}, args.n_heads,
                                     args.num_kv_heads, tie_word_embeddings=args.tie_word_embeddings)
-    expected = {native_to_hf_key(k) for k in native_weight_names(args)}
+    experts = args.moe.num_experts if args.moe is not None else 0
+    expected = {hf for k in native_weight_names(args) for hf in hf_names(k, experts)}
     if set(hf_sd) != expected:
         raise ValueError(f"{source} does not match the model config: missing {sorted(expected - set(hf_sd))[:5]}, "
                          f"unexpected {sorted(set(hf_sd) - expected)[:5]}")
-    shapes = _expected_shapes(args)
-    for name, tensor in hf_sd.items():
-        native = hf_to_native_key(name)
-        if tuple(tensor.shape) != shapes[native]:
-            raise ValueError(f"{source}: {native} has shape {tuple(tensor.shape)}, the config expects {shapes[native]}")
     shards = save_safetensors_sharded(hf_sd, out, parse_size(max_shard_size))
     files = _write_metadata_files(args, out, torch_dtype, max_position_embeddings, tokenizer, tokenizer_path)
     logger.info("exported %s as %s to %s: %d safetensors shard(s), %s", source,
@@ -405,8 +494,9 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(
         prog="trainer export",
-        description="Export a DCP checkpoint (any parallel layout) to a Hugging Face Llama folder: config.json, "
-                    "sharded safetensors with index, tokenizer files.")
+        description="Export a DCP checkpoint (any parallel layout) to a Hugging Face Llama folder (Mixtral for a "
+                    "mixture of experts with Mixtral's routing): config.json, sharded safetensors with index, "
+                    "tokenizer files.")
     parser.add_argument("--checkpoint", required=True, help="DCP step folder, a folder of step-N folders "
                         "(latest complete one), or a run's dump folder")
     parser.add_argument("--output", required=True, help="folder to write (created; must be empty unless --overwrite)")
@@ -420,13 +510,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max_position_embeddings", type=int, default=None,
                         help="context length written to config.json (default: the flavor's)")
     parser.add_argument("--overwrite", action="store_true", help="replace the weights in a non-empty --output")
+    parser.add_argument("--drop_expert_bias", action="store_true",
+                        help="export a mixture of experts trained with model.moe.load_balance_coeff without its "
+                             "routing bias (Mixtral has none; the export then routes some tokens differently)")
     args = parser.parse_args(argv)
     logs.setup()
     try:
         out = export_checkpoint(args.checkpoint, args.output, dtype=args.dtype, step=args.step,
                                 config_path=args.config, flavor=args.flavor, tokenizer_path=args.tokenizer,
                                 max_shard_size=args.max_shard_size,
-                                max_position_embeddings=args.max_position_embeddings, overwrite=args.overwrite)
+                                max_position_embeddings=args.max_position_embeddings, overwrite=args.overwrite,
+                                drop_expert_bias=args.drop_expert_bias)
     except CheckpointError as e:  # a damaged checkpoint: nothing was exported
         print(f"trainer export: {e}", file=sys.stderr)
         return e.exit_code

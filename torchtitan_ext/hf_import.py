@@ -1,11 +1,12 @@
-"""``trainer import``: a Hugging Face Llama folder -> a DCP seed checkpoint for continued pretraining.
+"""``trainer import``: a Hugging Face Llama or Mixtral folder -> a DCP seed checkpoint for continued pretraining.
 
 The architecture comes from the folder's config.json alone (:func:`read_hf_args`, the reader that
 ``generate --hf`` and ``eval --hf`` use too): nothing is taken from a flavor, and a field this model
 cannot represent stops the import with one line. The output is what ``checkpoint.create_seed_checkpoint``
 writes: ``<output>/checkpoint/step-0`` holding the model only (step 0, committed with its marker), which
 the trainer loads under any parallel layout (DCP reshards on load), plus ``<output>/import.toml``, the
-``[model]`` keys (flavor ``custom``) and ``[checkpoint] initial_load_path`` to train with.
+``[model]`` keys (flavor ``custom``; a Mixtral's ``[model.moe]`` keys too) and ``[checkpoint]
+initial_load_path`` to train with.
 
 Memory: DCP asks its planner for each tensor just before writing it, and this planner reads that tensor
 from the safetensors files then (mapping its name, undoing the RoPE permutation of ``wq``/``wk``,
@@ -29,10 +30,11 @@ from trainer.errors import CheckpointError, ConfigError
 from trainer.models.config import model_config_keys
 from trainer.models.llama.hf_adapter import (
     HFReader,
-    native_to_hf_key,
+    hf_sources,
+    native_shape,
     native_weight_names,
     read_hf_args,
-    unpermute_from_hf,
+    read_native,
 )
 
 logger = logging.getLogger("trainer")
@@ -41,15 +43,13 @@ IMPORT_TOML = "import.toml"
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
 
-def _source_names(args, reader: HFReader, folder: Path) -> dict[str, str]:
-    """``{native name: HF weight name}`` for every entry of the seed (``output.weight`` of a tied model is
+def _source_names(args, reader: HFReader, folder: Path) -> dict[str, list[str]]:
+    """``{native name: its HF weight names}`` for every entry of the seed (``output.weight`` of a tied model is
     the embedding matrix, saved under both names as the trainer's own checkpoints hold it)."""
-    names = {}
-    for name in native_weight_names(args):
-        names[name] = native_to_hf_key(name)
+    names = {name: hf_sources(name, args, reader) for name in native_weight_names(args)}
     if args.tie_word_embeddings:
-        names["output.weight"] = "model.embed_tokens.weight"
-    missing = sorted({hf for hf in names.values() if hf not in reader})
+        names["output.weight"] = ["model.embed_tokens.weight"]
+    missing = sorted({hf for sources in names.values() for hf in sources if hf not in reader})
     if missing:
         raise ConfigError(f"{folder} lacks {len(missing)} weight(s) its config.json calls for, e.g. "
                           f"{', '.join(missing[:3])} (an incomplete download?)")
@@ -59,12 +59,15 @@ def _source_names(args, reader: HFReader, folder: Path) -> dict[str, str]:
 def _expected_shape(args, name: str) -> tuple[int, ...]:
     head, kv, dim, ffn = args.head_dim, args.num_kv_heads, args.dim, args.ffn_hidden_dim
     leaf = name.split(".", 2)[-1] if name.startswith("layers.") else name
+    experts, hidden = (args.moe.num_experts, args.expert_hidden_dim) if args.moe is not None else (0, 0)
     return {
         "tok_embeddings.weight": (args.vocab_size, dim), "output.weight": (args.vocab_size, dim), "norm.weight": (dim,),
         "attention.wq.weight": (args.n_heads * head, dim), "attention.wk.weight": (kv * head, dim),
         "attention.wv.weight": (kv * head, dim), "attention.wo.weight": (dim, args.n_heads * head),
         "feed_forward.w1.weight": (ffn, dim), "feed_forward.w3.weight": (ffn, dim), "feed_forward.w2.weight": (dim, ffn),
         "attention_norm.weight": (dim,), "ffn_norm.weight": (dim,),
+        "moe.router.gate.weight": (experts, dim), "moe.experts.w1": (experts, hidden, dim),
+        "moe.experts.w3": (experts, hidden, dim), "moe.experts.w2": (experts, dim, hidden),
     }[leaf]
 
 
@@ -82,7 +85,7 @@ def _make_planner(loaders: dict):
 
 def import_hf(hf_folder: str | Path, output: str | Path, *, dtype: str = "fp32", overwrite: bool = False) -> Path:
     """Write ``<output>/checkpoint/step-0`` (model-only seed) and ``<output>/import.toml`` from a Hugging
-    Face Llama folder; returns the step folder."""
+    Face Llama or Mixtral folder; returns the step folder."""
     import torch.distributed.checkpoint as dcp
 
     from trainer.checkpoint.layout import DEFAULT_FOLDER, FORMAT_VERSION, TMP_SUFFIX, commit, step_dirname
@@ -94,10 +97,14 @@ def import_hf(hf_folder: str | Path, output: str | Path, *, dtype: str = "fp32",
     torch_dtype = _DTYPES[dtype]
     reader = HFReader(folder)
     names = _source_names(args, reader, folder)
-    for native, hf in names.items():
-        shape = tuple(reader.shape(hf))
+    for native, sources in names.items():
+        try:
+            shape = tuple(reader.shape(sources[0])) if native == "output.weight" else native_shape(reader, native, args)
+        except ValueError as e:
+            raise ConfigError(f"{folder}: {e}") from None
         if shape != _expected_shape(args, native):
-            raise ConfigError(f"{folder}: {hf} has shape {shape}, its config.json implies "
+            what = sources[0] if len(sources) == 1 else f"{sources[0]} .. {sources[-1]} (stacked)"
+            raise ConfigError(f"{folder}: {what} has shape {shape}, its config.json implies "
                               f"{_expected_shape(args, native)}")
 
     out = Path(output)
@@ -108,13 +115,9 @@ def import_hf(hf_folder: str | Path, output: str | Path, *, dtype: str = "fp32",
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
 
-    def loader(native: str, hf: str):
+    def loader(native: str, sources: list[str]):
         def load() -> torch.Tensor:
-            t = reader.get(hf)
-            if native.endswith("attention.wq.weight"):
-                t = unpermute_from_hf(t, args.n_heads)
-            elif native.endswith("attention.wk.weight"):
-                t = unpermute_from_hf(t, args.num_kv_heads)
+            t = reader.get(sources[0]) if native == "output.weight" else read_native(reader, native, args)
             return t.to(torch_dtype).contiguous()
         return load
 
@@ -145,13 +148,19 @@ def _toml_value(v) -> str:
 
 
 def import_toml(args, step_dir: Path, folder: Path) -> str:
-    """The config to continue pretraining with: the folder's architecture as [model] keys, the seed as
-    checkpoint.initial_load_path, and the folder as hf_assets_path when it holds a tokenizer."""
+    """The config to continue pretraining with: the folder's architecture as [model] keys (and [model.moe]
+    for a Mixtral), the seed as checkpoint.initial_load_path, and the folder as hf_assets_path when it holds
+    a tokenizer."""
     model = {"name": "llama3", **model_config_keys(args)}
+    moe = model.pop("moe", None)
     if any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
         model["hf_assets_path"] = str(folder.resolve())
     lines = [f"# {folder.resolve()} as imported by `trainer import`: add to your training config.", "[model]"]
     lines += [f"{k} = {_toml_value(v)}" for k, v in model.items()]
+    if moe is not None:
+        lines += ["", "# Mixtral's routing, no load balancing: to add some, see docs/export_eval.md (Mixtral folders)",
+                  "[model.moe]"]
+        lines += [f"{k} = {_toml_value(v)}" for k, v in moe.items()]
     lines += ["", "[checkpoint]", f"initial_load_path = {_toml_value(str(step_dir.resolve()))}", ""]
     return "\n".join(lines)
 
@@ -162,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(
         prog="trainer import",
-        description="Turn a Hugging Face Llama folder (config.json + safetensors) into a seed checkpoint "
+        description="Turn a Hugging Face Llama or Mixtral folder (config.json + safetensors) into a seed checkpoint "
                     "(<output>/checkpoint/step-0) and print the [model] keys to continue pretraining with "
                     "(also written to <output>/import.toml).")
     parser.add_argument("--hf", required=True, help="the Hugging Face model folder")

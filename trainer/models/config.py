@@ -302,7 +302,9 @@ def _rope_scaling(m, base: RopeScaling | None) -> RopeScaling | None:
 
 
 def model_config_keys(args: LlamaModelArgs) -> dict:
-    """The [model] keys (flavor custom) that describe ``args`` exactly: what ``trainer import`` prints."""
+    """The [model] keys (flavor custom) that describe ``args`` exactly: what ``trainer import`` prints. A
+    mixture of experts adds ``"moe"``: its [model.moe] keys, each one given (the custom flavor's unset keys
+    would take other defaults), the balancing and the capacity off as 0."""
     keys = {"flavor": CUSTOM_FLAVOR, "vocab_size": args.vocab_size, "dim": args.dim, "n_layers": args.n_layers,
             "n_heads": args.n_heads, "n_kv_heads": args.num_kv_heads, "ffn_dim": args.ffn_hidden_dim,
             "rope_theta": float(args.rope_theta), "norm_eps": float(args.norm_eps),
@@ -313,6 +315,16 @@ def model_config_keys(args: LlamaModelArgs) -> dict:
         keys.update(rope_scaling_low_freq_factor=float(s.low_freq_factor),
                     rope_scaling_high_freq_factor=float(s.high_freq_factor),
                     rope_scaling_original_max_position_embeddings=int(s.original_max_position_embeddings))
+    moe = args.moe
+    if moe is not None:
+        keys["moe"] = {"num_experts": moe.num_experts, "top_k": moe.top_k,
+                       "num_shared_experts": moe.num_shared_experts, "hidden_dim": args.expert_hidden_dim,
+                       "interleave_moe_layer_step": args.interleave_moe_layer_step, "score_func": moe.score_func,
+                       "route_norm": moe.route_norm, "route_scale": float(moe.route_scale),
+                       "score_before_experts": moe.score_before_experts,
+                       "load_balance_coeff": float(moe.load_balance_coeff or 0.0),
+                       "aux_loss_coeff": float(moe.aux_loss_coeff),
+                       "capacity_factor": float(moe.capacity_factor or 0.0)}
     return keys
 
 

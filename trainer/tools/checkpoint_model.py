@@ -18,7 +18,7 @@ import torch
 from trainer.checkpoint.layout import DEFAULT_FOLDER, RUN_CONFIG, step_dirname
 from trainer.checkpoint.offline import CheckpointNotFound, checkpoint_model_entries, find_checkpoint, find_run_config
 from trainer.config import load_config, validate
-from trainer.models.config import config_model_args
+from trainer.models.config import ModelMoE, config_model_args
 from trainer.parallel import clean_fqn
 
 # The keys of a run's config.toml the tools need. Only these are read, so that a config.toml written by an
@@ -28,7 +28,8 @@ RUN_CONFIG_KEYS = ("model.name", "model.flavor", "model.tokenizer_path", "model.
                    "model.ffn_dim", "model.multiple_of", "model.ffn_dim_multiplier", "model.rope_theta",
                    "model.rope_scaling_factor", "model.rope_scaling_low_freq_factor",
                    "model.rope_scaling_high_freq_factor", "model.rope_scaling_original_max_position_embeddings",
-                   "model.norm_eps", "model.tie_word_embeddings", "model.max_seq_len")
+                   "model.norm_eps", "model.tie_word_embeddings", "model.max_seq_len",
+                   *(f"model.moe.{f.name}" for f in dataclasses.fields(ModelMoE)))
 
 
 def save_native_checkpoint(state_dict: dict[str, torch.Tensor], dump_folder: str | Path, step: int,
@@ -73,8 +74,11 @@ def load_run_config(config_path: Path | None, overrides: list[str]):
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ValueError(f"cannot read the run config {config_path}: {e}") from None
         for key in RUN_CONFIG_KEYS:
-            section, name = key.split(".")
-            value = (data.get(section) or {}).get(name)
+            *sections, name = key.split(".")
+            table = data
+            for section in sections:
+                table = table.get(section) or {}
+            value = table.get(name)
             if value is not None:
                 argv += [f"--{key}={value}"]
     config = load_config(argv + overrides, env={})

@@ -1,5 +1,5 @@
-"""Hugging Face Llama <-> our Llama state dicts: names, the RoPE permutation, reading an HF safetensors folder
-and loading one into a (sharded) model in place.
+"""Hugging Face Llama and Mixtral <-> our Llama state dicts: names, the RoPE permutation, reading an HF
+safetensors folder and loading one into a (sharded) model in place.
 
 Core, so that the trainer can start from HF weights (``checkpoint.initial_load_in_hf``) and every tool reads
 an HF ``config.json`` the same way (``hf_config_to_args``); writing HF folders is the export command's.
@@ -24,6 +24,20 @@ rotates the halves ``(i, i + head_dim/2)``. Reordering the output rows of ``wq``
 ``row 2i + j -> row j * head_dim/2 + i``, makes the two models compute the same attention scores (the
 scores are dot products of q and k, so any common reordering of their head dimensions leaves them
 unchanged). This is the permutation of HF's ``convert_llama_weights_to_hf.py``.
+
+Mixtral (``transformers.MixtralForCausalLM``): every block's feed-forward is a mixture of experts whose
+routing is ours with softmax scores, ``route_norm``, the scores applied to the experts' outputs, no shared
+experts and no expert bias. Its attention, norms and embeddings are named as Llama's; the MoE maps as::
+
+    layers.{i}.moe.router.gate.weight     model.layers.{i}.block_sparse_moe.gate.weight
+    layers.{i}.moe.experts.w1[j]          model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight
+    layers.{i}.moe.experts.w2[j]          model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight
+    layers.{i}.moe.experts.w3[j]          model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight
+
+This per-expert layout is what ``save_pretrained`` writes (transformers 5 as well) and what the Hub's
+Mixtral folders hold. transformers 5 fuses the experts in memory (``mlp.gate.weight``,
+``mlp.experts.gate_up_proj`` = ``[w1; w3]`` stacked on the rows, ``mlp.experts.down_proj`` = ``w2``); a
+folder saved in that layout is read too.
 """
 
 from __future__ import annotations
@@ -38,7 +52,7 @@ from typing import Any
 import torch
 
 from trainer.errors import ConfigError
-from trainer.models.llama.args import LlamaModelArgs, RopeScaling
+from trainer.models.llama.args import LlamaModelArgs, MoEArgs, RopeScaling
 from trainer.parallel import clean_fqn
 
 logger = logging.getLogger("trainer")
@@ -59,6 +73,17 @@ _TOP_MAP = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+_ATTENTION_KEYS = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "attention.wo.weight",
+                   "attention_norm.weight", "ffn_norm.weight")
+_DENSE_FFN_KEYS = ("feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight")
+# Mixtral's MoE: the router maps one to one; each expert stack [E, out, in] is E HF weights.
+_ROUTER = "moe.router.gate.weight"
+_EXPERTS = ("moe.experts.w1", "moe.experts.w2", "moe.experts.w3")
+_MIXTRAL_ROUTER = "block_sparse_moe.gate.weight"
+_FUSED_ROUTER = "mlp.gate.weight"
+_FUSED_EXPERTS = {"moe.experts.w1": ("mlp.experts.gate_up_proj", 0), "moe.experts.w3": ("mlp.experts.gate_up_proj", 1),
+                  "moe.experts.w2": ("mlp.experts.down_proj", None)}
+_HF_EXPERT = re.compile(r"^block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
 _LAYER_MAP_INV = {v: k for k, v in _LAYER_MAP.items()}
 _TOP_MAP_INV = {v: k for k, v in _TOP_MAP.items()}
 _NATIVE_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -82,23 +107,103 @@ def unpermute_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def native_to_hf_key(name: str) -> str:
-    """The Hugging Face name of our parameter ``name`` (KeyError when it has none)."""
+    """The Hugging Face name of our parameter ``name`` (KeyError when it has none; an expert stack has one
+    name per expert: :func:`hf_names`)."""
     if name in _TOP_MAP:
         return _TOP_MAP[name]
     m = _NATIVE_LAYER.match(name)
     if m and m.group(2) in _LAYER_MAP:
         return f"model.layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
+    if m and m.group(2) == _ROUTER:
+        return f"model.layers.{m.group(1)}.{_MIXTRAL_ROUTER}"
+    if m and m.group(2) in _EXPERTS:
+        raise KeyError(f"{name!r} holds every expert: it has one Hugging Face name per expert (hf_names)")
     raise KeyError(f"no Hugging Face name for parameter {name!r}")
 
 
 def hf_to_native_key(name: str) -> str:
-    """Our name of the Hugging Face weight ``name`` (KeyError when it has none)."""
+    """Our name of the Hugging Face weight ``name`` (KeyError when it has none; one expert's weight is a slice
+    of ours, see :func:`hf_to_native_state_dict`)."""
     if name in _TOP_MAP_INV:
         return _TOP_MAP_INV[name]
     m = _HF_LAYER.match(name)
     if m and m.group(2) in _LAYER_MAP_INV:
         return f"layers.{m.group(1)}.{_LAYER_MAP_INV[m.group(2)]}"
+    if m and m.group(2) in (_MIXTRAL_ROUTER, _FUSED_ROUTER):
+        return f"layers.{m.group(1)}.{_ROUTER}"
     raise KeyError(f"no native name for Hugging Face weight {name!r}")
+
+
+def hf_names(name: str, num_experts: int = 0) -> list[str]:
+    """The Hugging Face names (Mixtral's per-expert layout for an expert stack of ``num_experts``) that our
+    weight ``name`` is written as, in order."""
+    m = _NATIVE_LAYER.match(name)
+    if m and m.group(2) in _EXPERTS:
+        leaf = m.group(2).rsplit(".", 1)[1]
+        return [f"model.layers.{m.group(1)}.block_sparse_moe.experts.{j}.{leaf}.weight" for j in range(num_experts)]
+    return [native_to_hf_key(name)]
+
+
+def hf_sources(name: str, args, reader) -> list[str]:
+    """The Hugging Face weights that make our weight ``name`` of a model with ``args``, in the layout ``reader``
+    (anything with ``in``) holds: Mixtral's per-expert weights, else transformers 5's fused experts. When
+    neither is complete the per-expert names are returned (the caller names the first one missing)."""
+    m = _NATIVE_LAYER.match(name)
+    if m and m.group(2) in _EXPERTS:
+        per_expert = hf_names(name, args.moe.num_experts)
+        fused = f"model.layers.{m.group(1)}.{_FUSED_EXPERTS[m.group(2)][0]}"
+        if not all(n in reader for n in per_expert) and fused in reader:
+            return [fused]
+        return per_expert
+    if m and m.group(2) == _ROUTER:
+        fused = f"model.layers.{m.group(1)}.{_FUSED_ROUTER}"
+        legacy = native_to_hf_key(name)
+        return [fused] if legacy not in reader and fused in reader else [legacy]
+    return [native_to_hf_key(name)]
+
+
+def _from_sources(name: str, tensors: list[torch.Tensor], sources: list[str], n_heads: int,
+                  n_kv_heads: int) -> torch.Tensor:
+    """Our weight ``name`` from the HF ``tensors`` read under the names ``sources`` (:func:`hf_sources`)."""
+    leaf = _NATIVE_LAYER.match(name).group(2) if name.startswith("layers.") else name
+    if leaf in _EXPERTS:
+        fused, half = _FUSED_EXPERTS[leaf]
+        if sources[0].endswith(fused):  # [E, 2H, dim]: w1's rows, then w3's
+            t = tensors[0]
+            return t if half is None else t.chunk(2, dim=1)[half]
+        return torch.stack(tensors)
+    (t,) = tensors
+    if leaf == "attention.wq.weight":
+        return unpermute_from_hf(t, n_heads)
+    if leaf == "attention.wk.weight":
+        return unpermute_from_hf(t, n_kv_heads)
+    return t
+
+
+def read_native(reader, name: str, args) -> torch.Tensor:
+    """Our weight ``name`` of a model with ``args`` (the folder's), read from ``reader`` (an :class:`HFReader`)
+    in our layout: RoPE permutation undone, experts stacked. KeyError names the first HF weight missing."""
+    sources = hf_sources(name, args, reader)
+    missing = [s for s in sources if s not in reader]
+    if missing:
+        raise KeyError(f"{missing[0]!r} (needed for {name})")
+    return _from_sources(name, [reader.get(s) for s in sources], sources, args.n_heads, args.num_kv_heads)
+
+
+def native_shape(reader, name: str, args) -> tuple[int, ...]:
+    """The shape ``read_native`` gives ``name``, from the files' headers (no data read); ValueError when the
+    experts of a stack differ in shape."""
+    sources = hf_sources(name, args, reader)
+    shapes = [tuple(reader.shape(s)) for s in sources]
+    leaf = name.split(".", 2)[-1] if name.startswith("layers.") else name
+    if leaf not in _EXPERTS:
+        return shapes[0]
+    if len(set(shapes)) > 1:
+        raise ValueError(f"the experts of {name} differ in shape: {sorted(set(shapes))}")
+    if sources[0].endswith(_FUSED_EXPERTS[leaf][0]):
+        e, rows, cols = shapes[0]
+        return (e, rows // 2, cols) if _FUSED_EXPERTS[leaf][1] is not None else shapes[0]
+    return (len(shapes), *shapes[0])
 
 
 def hf_order(name: str) -> tuple:
@@ -111,21 +216,28 @@ def hf_order(name: str) -> tuple:
 
 def native_weight_names(args) -> list[str]:
     """The native names of every weight a Llama model with ``args`` holds (``output.weight`` only when the
-    embeddings are not tied), each of which has a Hugging Face name."""
+    embeddings are not tied), each of which has Hugging Face names; an MoE block's are Mixtral's (router and
+    expert stacks: the caller refuses MoE layers Mixtral cannot hold first). No buffers (the expert bias)."""
     keys = ["tok_embeddings.weight", "norm.weight"]
     if not args.tie_word_embeddings:
         keys.append("output.weight")
     for i in range(args.n_layers):
-        keys += [f"layers.{i}.{k}" for k in _LAYER_MAP]
+        ffn = (_ROUTER, *_EXPERTS) if args.is_moe_layer(i) else _DENSE_FFN_KEYS
+        keys += [f"layers.{i}.{k}" for k in (*_ATTENTION_KEYS, *ffn)]
     return keys
 
 
 def native_to_hf_state_dict(sd: dict[str, torch.Tensor], n_heads: int, n_kv_heads: int,
                             tie_word_embeddings: bool = False) -> dict[str, torch.Tensor]:
-    """Our FQNs -> HF Llama names, with the RoPE permutation of ``wq``/``wk``."""
+    """Our FQNs -> HF Llama (Mixtral) names, with the RoPE permutation of ``wq``/``wk`` and each expert stack
+    split into its experts."""
     out = {}
     for name, tensor in sd.items():
         if tie_word_embeddings and name == "output.weight":
+            continue
+        m = _NATIVE_LAYER.match(name)
+        if m and m.group(2) in _EXPERTS:
+            out.update(zip(hf_names(name, tensor.shape[0]), tensor.unbind(0)))
             continue
         hf_name = native_to_hf_key(name)
         if name.endswith("attention.wq.weight"):
@@ -137,10 +249,22 @@ def native_to_hf_state_dict(sd: dict[str, torch.Tensor], n_heads: int, n_kv_head
 
 
 def hf_to_native_state_dict(sd: dict[str, torch.Tensor], n_heads: int, n_kv_heads: int) -> dict[str, torch.Tensor]:
-    """HF Llama names -> our FQNs, undoing the RoPE permutation. ``rotary_emb.inv_freq`` is dropped."""
+    """HF Llama (Mixtral) names -> our FQNs, undoing the RoPE permutation and stacking the experts (Mixtral's
+    per-expert weights, or transformers 5's fused ones). ``rotary_emb.inv_freq`` is dropped."""
     out = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
     for name, tensor in sd.items():
         if name.endswith("rotary_emb.inv_freq"):
+            continue
+        m = _HF_LAYER.match(name)
+        expert = _HF_EXPERT.match(m.group(2)) if m else None
+        if expert:
+            experts.setdefault(f"layers.{m.group(1)}.moe.experts.{expert.group(2)}", {})[int(expert.group(1))] = tensor
+            continue
+        fused = [(leaf, half) for leaf, (f, half) in _FUSED_EXPERTS.items() if m and m.group(2) == f]
+        if fused:  # gate_up_proj holds w1 and w3
+            for leaf, half in fused:
+                out[f"layers.{m.group(1)}.{leaf}"] = tensor if half is None else tensor.chunk(2, dim=1)[half]
             continue
         native = hf_to_native_key(name)
         if native.endswith("attention.wq.weight"):
@@ -148,6 +272,10 @@ def hf_to_native_state_dict(sd: dict[str, torch.Tensor], n_heads: int, n_kv_head
         elif native.endswith("attention.wk.weight"):
             tensor = unpermute_from_hf(tensor, n_kv_heads)
         out[native] = tensor
+    for native, by_index in experts.items():
+        if sorted(by_index) != list(range(len(by_index))):
+            raise KeyError(f"the experts of {native} are numbered {sorted(by_index)}, not 0..{len(by_index) - 1}")
+        out[native] = torch.stack([by_index[j] for j in range(len(by_index))])
     return out
 
 
@@ -204,7 +332,7 @@ class HFReader:
 
 
 def load_hf_state_dict(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(native state dict, config.json) of an HF Llama folder."""
+    """(native state dict, config.json) of an HF Llama or Mixtral folder."""
     folder = Path(path)
     cfg = read_hf_config(folder)
     args = hf_config_to_args(cfg, source=f"{folder}/config.json")
@@ -215,13 +343,27 @@ def load_hf_state_dict(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[
 
 def architecture_mismatches(hf_args: LlamaModelArgs, args) -> list[str]:
     """The fields in which a model's ``args`` differs from a Hugging Face folder's (``hf_args``), as
-    ``"config.json name: folder's value != model's value"``; the RoPE table length is not compared."""
+    ``"config.json name: folder's value != model's value"`` (our key where config.json has none); the RoPE
+    table length is not compared, nor the MoE's training choices (balancing, capacity, kernel)."""
+    moe = hf_args.moe is not None or args.moe is not None
     pairs = (("hidden_size", "dim"), ("num_hidden_layers", "n_layers"), ("num_attention_heads", "n_heads"),
-             ("num_key_value_heads", "num_kv_heads"), ("intermediate_size", "ffn_hidden_dim"),
+             ("num_key_value_heads", "num_kv_heads"),
+             ("intermediate_size", "expert_hidden_dim" if moe else "ffn_hidden_dim"),
              ("vocab_size", "vocab_size"), ("rope_theta", "rope_theta"), ("rope_scaling", "rope_scaling"),
              ("rms_norm_eps", "norm_eps"), ("tie_word_embeddings", "tie_word_embeddings"))
-    return [f"{hf_name} {getattr(hf_args, ours)} != {getattr(args, ours)}" for hf_name, ours in pairs
-            if getattr(hf_args, ours) != getattr(args, ours)]
+    out = [f"{hf_name} {getattr(hf_args, ours)} != {getattr(args, ours)}" for hf_name, ours in pairs
+           if getattr(hf_args, ours) != getattr(args, ours)]
+    if moe:
+        routing = [("num_local_experts", "num_experts"), ("num_experts_per_tok", "top_k"),
+                   ("moe.num_shared_experts", "num_shared_experts"), ("moe.score_func", "score_func"),
+                   ("moe.route_norm", "route_norm"), ("moe.route_scale", "route_scale"),
+                   ("moe.score_before_experts", "score_before_experts")]
+        out += [f"{hf_name} {getattr(hf_args.moe, ours, None)} != {getattr(args.moe, ours, None)}"
+                for hf_name, ours in routing if getattr(hf_args.moe, ours, None) != getattr(args.moe, ours, None)]
+        if args.moe is not None and hf_args.moe is not None and args.n_moe_layers != hf_args.n_moe_layers:
+            out.append(f"moe.interleave_moe_layer_step {hf_args.interleave_moe_layer_step} != "
+                       f"{args.interleave_moe_layer_step}")
+    return out
 
 
 def _check_architecture(hf_args: LlamaModelArgs, args, folder: Path) -> None:
@@ -249,11 +391,11 @@ def load_hf_into(model: torch.nn.Module | Iterable[torch.nn.Module], path: str |
     from trainer.parallel.init import local_slice
 
     folder = Path(path)
-    hf_args = read_hf_args(folder)
-    reader = HFReader(folder)
-    n_heads, n_kv = hf_args.n_heads, hf_args.num_kv_heads
-    tied_hf = hf_args.tie_word_embeddings
     parts = list(model) if isinstance(model, (list, tuple)) else [model]
+    seq_len = getattr(getattr(parts[0], "args", None), "max_seq_len", None)  # the run's training.seq_len
+    hf_args = read_hf_args(folder, seq_len=seq_len)
+    reader = HFReader(folder)
+    tied_hf = hf_args.tie_word_embeddings
 
     for part in parts:
         _check_architecture(hf_args, getattr(part, "args", None), folder)
@@ -266,18 +408,18 @@ def load_hf_into(model: torch.nn.Module | Iterable[torch.nn.Module], path: str |
             if id(param) in seen:  # the second name of a tied weight
                 continue
             seen.add(id(param))
-            hf_name = native_to_hf_key(name)
-            if hf_name == "lm_head.weight" and (hf_name not in reader or tied_hf):
+            hf_name = "lm_head.weight" if name == "output.weight" else None
+            if hf_name and (hf_name not in reader or tied_hf):
                 if "model.embed_tokens.weight" not in reader:
                     raise KeyError(f"{folder} has neither lm_head.weight nor model.embed_tokens.weight")
                 hf_name = "model.embed_tokens.weight"  # tied embeddings in the HF folder
-            if hf_name not in reader:
-                raise KeyError(f"{folder} has no weight {hf_name!r} (needed for {name})")
-            full = reader.get(hf_name)
-            if name.endswith("attention.wq.weight"):
-                full = unpermute_from_hf(full, n_heads)
-            elif name.endswith("attention.wk.weight"):
-                full = unpermute_from_hf(full, n_kv)
+                full = reader.get(hf_name)
+            else:
+                try:
+                    full = read_native(reader, name, hf_args)
+                except KeyError as e:
+                    raise KeyError(f"{folder} has no weight {e.args[0]}") from None
+            hf_name = hf_sources(name, hf_args, reader)[0] if hf_name is None else hf_name
             if tuple(full.shape) != tuple(param.shape):
                 embedding = "tok_emb" in name or "output" in name
                 hint = " (set model.vocab_size to the checkpoint's vocab_size)" if embedding else ""
@@ -294,14 +436,17 @@ def load_hf_into(model: torch.nn.Module | Iterable[torch.nn.Module], path: str |
 # or null is fine too); a folder setting one is refused rather than imported as a different model.
 _MUST_BE = {
     "attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "attention_dropout": 0.0,
-    "pretraining_tp": 1, "sliding_window": None,
+    "pretraining_tp": 1,
 }
+# Each model type's RoPE base when config.json gives none (transformers' defaults).
+_DEFAULT_THETA = {"llama": 10000.0, "mixtral": 1000000.0}
 
 
 def _rope_from_hf(cfg: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
     """(rope_theta, Llama 3.1 scaling or None) from the legacy keys or transformers 5's ``rope_parameters``."""
     params = cfg.get("rope_parameters") or {}
-    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+    default = _DEFAULT_THETA[cfg.get("model_type", "llama")]
+    theta = cfg.get("rope_theta", params.get("rope_theta", default))
     scaling = cfg.get("rope_scaling") or (params if params.get("rope_type") not in (None, "default") else None)
     if not scaling:
         return float(theta), None
@@ -319,12 +464,35 @@ def _rope_from_hf(cfg: dict[str, Any], source: str) -> tuple[float, RopeScaling 
         raise ConfigError(f"{source}: rope_scaling {scaling} is not a valid llama3 scaling ({e})") from None
 
 
-def hf_config_to_args(cfg: dict[str, Any], source: str = "config.json") -> LlamaModelArgs:
-    """The one reader of a Hugging Face Llama ``config.json``: every architectural field becomes our
+def _mixtral_moe(cfg: dict[str, Any], source: str) -> MoEArgs:
+    """Mixtral's MoE as ours: softmax over all experts, top-k renormalised, the weights applied to the experts'
+    outputs, no shared experts. No balancing: Mixtral's router_aux_loss_coef is a loss over a whole batch,
+    ours per sequence, so the [model.moe] balancing keys are the user's to set."""
+    missing = [k for k in ("num_local_experts", "num_experts_per_tok") if not isinstance(cfg.get(k), int)]
+    if missing:
+        raise ConfigError(f"{source}: missing or non-integer {', '.join(missing)}")
+    if cfg.get("router_jitter_noise"):
+        logger.warning("%s: router_jitter_noise=%s is not applied (this model routes without noise; it only "
+                       "changes Mixtral's training, not its outputs)", source, cfg["router_jitter_noise"])
+    try:
+        return MoEArgs(num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"], num_shared_experts=0,
+                       score_func="softmax", route_norm=True, score_before_experts=False, load_balance_coeff=None,
+                       aux_loss_coeff=0.0)
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def hf_config_to_args(cfg: dict[str, Any], source: str = "config.json", seq_len: int | None = None) -> LlamaModelArgs:
+    """The one reader of a Hugging Face Llama or Mixtral ``config.json``: every architectural field becomes our
     ``LlamaModelArgs`` (no flavor involved). A field this model cannot represent raises ``ConfigError``
-    naming it, in one line, so that nothing is imported as a different model than the folder holds."""
-    if cfg.get("model_type", "llama") != "llama":
-        raise ConfigError(f"{source}: model_type {cfg.get('model_type')!r} is not supported (only 'llama')")
+    naming it, in one line, so that nothing is imported as a different model than the folder holds.
+    ``seq_len``: the longest sequence the model will see (default: max_position_embeddings), which a
+    ``sliding_window`` must not be shorter than (this model attends over the whole sequence)."""
+    model_type = cfg.get("model_type", "llama")
+    if model_type not in _DEFAULT_THETA:
+        hint = (" (Llama 4's text model has QK-norm, NoPE layers and chunked attention, which this model lacks)"
+                if str(model_type).startswith("llama4") else "")
+        raise ConfigError(f"{source}: model_type {model_type!r} is not supported (only 'llama' and 'mixtral'){hint}")
     for key, ok in _MUST_BE.items():
         value = cfg.get(key)
         if value is not None and value != ok:
@@ -338,7 +506,17 @@ def hf_config_to_args(cfg: dict[str, Any], source: str = "config.json") -> Llama
     if dim % n_heads or cfg.get("head_dim") not in (None, dim // n_heads):
         raise ConfigError(f"{source}: head_dim={cfg.get('head_dim')} with hidden_size={dim} and "
                           f"num_attention_heads={n_heads} is not supported (head_dim must be hidden_size / heads)")
+    window, longest = cfg.get("sliding_window"), seq_len or cfg.get("max_position_embeddings")
+    if window is not None and (not isinstance(window, int) or longest is None or window < longest):
+        what, fix = ((f"training.seq_len {seq_len}", "set training.seq_len to at most the window") if seq_len else
+                     (f"max_position_embeddings {longest}", "load the folder with checkpoint.initial_load_in_hf and "
+                      "training.seq_len at most the window"))
+        raise ConfigError(f"{source}: sliding_window={json.dumps(window)} is shorter than {what}, and this model "
+                          f"attends over the whole sequence (no sliding window): {fix}")
     theta, rope_scaling = _rope_from_hf(cfg, source)
+    moe = {}
+    if model_type == "mixtral":
+        moe = dict(moe=_mixtral_moe(cfg, source), interleave_moe_layer_step=1, moe_hidden_dim=cfg["intermediate_size"])
     try:
         return LlamaModelArgs(
             dim=dim, n_layers=cfg["num_hidden_layers"], n_heads=n_heads,
@@ -346,13 +524,14 @@ def hf_config_to_args(cfg: dict[str, Any], source: str = "config.json") -> Llama
             ffn_dim=cfg["intermediate_size"], norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta, rope_scaling=rope_scaling,
             max_seq_len=int(cfg.get("max_position_embeddings") or 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), **moe,
         )
     except ValueError as e:
         raise ConfigError(f"{source}: {e}") from None
 
 
-def read_hf_args(folder: str | Path) -> LlamaModelArgs:
-    """The architecture of a Hugging Face Llama folder, from its config.json (see :func:`hf_config_to_args`)."""
+def read_hf_args(folder: str | Path, seq_len: int | None = None) -> LlamaModelArgs:
+    """The architecture of a Hugging Face Llama or Mixtral folder, from its config.json (see
+    :func:`hf_config_to_args`)."""
     folder = Path(folder)
-    return hf_config_to_args(read_hf_config(folder), source=f"{folder}/config.json")
+    return hf_config_to_args(read_hf_config(folder), source=f"{folder}/config.json", seq_len=seq_len)
