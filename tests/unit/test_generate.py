@@ -86,3 +86,22 @@ def test_generate_cli_on_a_checkpoint(tmp_path, capsys):
     assert generate_main(["--hf", str(tmp_path / "hf")] + args[2:]) == 0
     assert capsys.readouterr().out.split("=== sample 1 ===")[1] == with_cache.split("=== sample 1 ===")[1]
     assert generate_main(["--checkpoint", str(tmp_path / "nothing"), "--prompt", "x"]) == 2
+
+
+def test_generate_from_a_mixture_of_experts_checkpoint(tmp_path, capsys):
+    """debug_moe with [model.moe] keys the run set (top-1, a capacity): the checkpoint's config rebuilds the same
+    mixture of experts, and greedy text is the same with and without the KV cache (the expert bias loads too)."""
+    keys = ["--model.flavor", "debug_moe", "--model.n_layers", "2", "--training.seq_len", "64",
+            "--model.moe.top_k", "1", "--model.moe.capacity_factor", "2"]
+    config = load_config(keys, env={})
+    args = resolve_model_args(config, load_tokenizer(config).vocab_size)
+    assert args.moe.top_k == 1 and args.moe.capacity_factor == 2
+    m = fast_model(args)
+    for layer in m.layers.values():
+        layer.moe.expert_bias.copy_(torch.linspace(-0.1, 0.1, 8))
+    save_native_checkpoint(m.state_dict(), tmp_path / "run", step=1, config=config)
+    run = ["--checkpoint", str(tmp_path / "run"), "--prompt", "ROMEO:", "--max_new_tokens", "8", "--temperature", "0"]
+    assert generate_main(run) == 0
+    with_cache = capsys.readouterr().out
+    assert generate_main(run + ["--no_kv_cache"]) == 0
+    assert capsys.readouterr().out.split("=== sample 1 ===")[1] == with_cache.split("=== sample 1 ===")[1]

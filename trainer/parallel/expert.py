@@ -66,6 +66,7 @@ class ExpertParallel:
     degree: int
     rank: int
 
+    @torch.compiler.disable  # eager under torch.compile: collectives with sizes read on the host
     def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Dispatched]:
         """``rows`` sorted by (global) expert with ``counts`` per expert -> the rows this rank's experts take,
         sorted by local expert, their counts per local expert, and the state :meth:`combine` needs."""
@@ -83,6 +84,7 @@ class ExpertParallel:
         arrived = _AllToAllV.apply(rows, send, recv, self.group)
         return arrived[order], received.sum(0), Dispatched(send, recv, order)
 
+    @torch.compiler.disable
     def combine(self, out: torch.Tensor, state: Dispatched) -> torch.Tensor:
         """The experts' outputs (local-expert order) back to their senders, in the order they were sent."""
         arrived = torch.empty_like(out)

@@ -225,9 +225,13 @@ def set_compile_cache(cache_dir: str) -> None:
 
 def apply_compile(model: nn.Module, backend: str) -> None:
     """Compile each block separately: identical blocks share one compiled graph, and compile time does
-    not grow with depth."""
+    not grow with depth. A block whose experts are exchanged between ranks (expert parallel) compiles in
+    pieces around the exchange, which runs eagerly (its sizes come from the routing, read on the host)."""
+    from trainer.models.moe import moe_layers
+
     for name, block in list(model.layers.items()):
-        model.layers[name] = torch.compile(block, backend=backend, fullgraph=True)
+        exchange = any(layer.expert_parallel is not None for layer in moe_layers(block))
+        model.layers[name] = torch.compile(block, backend=backend, fullgraph=not exchange)
 
 
 # --------------------------------------------------------------------------------------------------
