@@ -41,7 +41,7 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("preset, world", [
     ("llama2_7b", 64), ("llama2_13b", 64), ("llama2_70b", 64), ("llama3_1b", 8), ("llama3_8b", 64),
-    ("llama3_70b", 128), ("llama3_405b", 512), ("llama4_17bx16e", 64),
+    ("llama3_70b", 128), ("llama3_405b", 512), ("llama4_17bx16e", 64), ("llama4_17bx128e", 256),
 ])
 def test_presets_validate_and_build_on_meta(preset, world, monkeypatch, capsys):
     """Dry run: config validation for the preset's world size and the model built on the meta device."""
@@ -55,6 +55,7 @@ def test_presets_validate_and_build_on_meta(preset, world, monkeypatch, capsys):
     published = {"llama2_7b": 6_738_415_616, "llama2_13b": 13_015_864_320, "llama2_70b": 68_976_648_192,
                  "llama3_1b": 1_235_814_400, "llama3_8b": 8_030_261_248, "llama3_70b": 70_553_706_496,
                  "llama3_405b": 405_853_388_800,
-                 "llama4_17bx16e": 107_769_861_120}  # count_params; Meta quotes 109B for the whole multimodal model
+                 # count_params; Meta quotes 109B and 400B for the whole multimodal models
+                 "llama4_17bx16e": 107_769_861_120, "llama4_17bx128e": 400_711_848_960}
     assert out["params"] == published[preset]
     assert out["status"] == "ok"
