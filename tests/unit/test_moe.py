@@ -72,6 +72,7 @@ CASES = {
                                load_balance_coeff=None),
     "top1_shared_scaled": dict(top_k=1, route_scale=2.5, shared=1),
     "capacity": dict(capacity_factor=0.5, score_before_experts=False),
+    "capacity_before": dict(capacity_factor=0.5),
 }
 
 
@@ -89,7 +90,7 @@ def test_layer_equals_the_per_token_reference_forward_and_backward(case, grouped
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    if case == "capacity":  # 15 tokens x 2 copies over 4 experts, 4 each at most: 14 or more dropped
+    if case.startswith("capacity"):  # 15 tokens x 2 copies over 4 experts, 4 each at most: 14 or more dropped
         assert 14 <= int(layer.dropped_tokens) < 30
     assert int(layer.tokens_per_expert.sum()) == 15 * layer.top_k
 

@@ -222,33 +222,10 @@ class MoE(nn.Module):
         bsz, seqlen, dim = x.shape
         flat = x.reshape(-1, dim)
         scores, weights, experts = self.router(flat, self.expert_bias)
-        slots = experts.flatten()  # copy j = token j // top_k, its (j % top_k)-th expert
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device).scatter_add_(
-            0, slots, torch.ones_like(slots))
-        order = torch.argsort(slots, stable=True)  # copies sorted by expert, in token order within one
-        sorted_weights = weights.flatten()[order]
-        keep = self._within_capacity(slots[order], counts) if self.args.capacity_factor is not None else None
-        if keep is not None:
-            sorted_weights = sorted_weights * keep
-        rows = flat[order // self.top_k]
-        if self.args.score_before_experts:
-            rows = (rows.float() * sorted_weights[:, None]).to(x.dtype)
-        ep = self.expert_parallel
-        if ep is None:
-            out = self.experts(rows, counts)
-        else:  # the rows go to the ranks that hold their experts and come back (trainer/parallel/expert.py)
-            local_rows, local_counts, sent = ep.dispatch(rows, counts)
-            out = ep.combine(self.experts(local_rows, local_counts), sent)
-        if not self.args.score_before_experts:
-            out = (out.float() * sorted_weights[:, None]).to(x.dtype)
-        elif keep is not None:  # a dropped copy's input is zero, and so is its output: exactly, but say it
-            out = out * keep[:, None].to(out.dtype)
-        unsorted = torch.empty_like(out)
-        unsorted[order] = out
-        routed = unsorted.view(-1, self.top_k, dim).sum(dim=1)
+        routed, counts, keep = self._routed(flat, weights, experts.flatten())
         result = routed if self.shared_experts is None else self.shared_experts(flat) + routed
         result = result.view(bsz, seqlen, dim)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled():  # training: count, and train the auxiliary loss
             with torch.no_grad():
                 self.tokens_per_expert.add_(counts)
                 if keep is not None:
@@ -258,6 +235,33 @@ class MoE(nn.Module):
                 self.aux_loss_sum.add_(aux.detach())
                 result = _AttachAuxLoss.apply(result, aux, self.aux_grad_scale)
         return result
+
+    def _routed(self, flat: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The routed experts' output for tokens ``flat`` ``[N, dim]`` whose copy ``j`` (token ``j // top_k``)
+        goes to expert ``slots[j]`` with routing weight ``weights.flatten()[j]``; also the copies per expert and
+        which copies the capacity kept (None: dropless)."""
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+            0, slots, torch.ones_like(slots))
+        order = torch.argsort(slots, stable=True)  # copies sorted by expert, in token order within one
+        sorted_weights = weights.flatten()[order]
+        keep = self._within_capacity(slots[order], counts) if self.args.capacity_factor is not None else None
+        if keep is not None:  # a dropped copy's weight is 0: before the experts its input is 0, and so its output
+            sorted_weights = sorted_weights * keep
+        rows = flat[order // self.top_k]
+        if self.args.score_before_experts:
+            rows = (rows.float() * sorted_weights[:, None]).to(flat.dtype)
+        ep = self.expert_parallel
+        if ep is None:
+            out = self.experts(rows, counts)
+        else:  # the rows go to the ranks that hold their experts and come back (trainer/parallel/expert.py)
+            local_rows, local_counts, sent = ep.dispatch(rows, counts)
+            out = ep.combine(self.experts(local_rows, local_counts), sent)
+        if not self.args.score_before_experts:
+            out = (out.float() * sorted_weights[:, None]).to(flat.dtype)
+        unsorted = torch.empty_like(out)
+        unsorted[order] = out
+        return unsorted.view(-1, self.top_k, flat.shape[1]).sum(dim=1), counts, keep
 
     def _within_capacity(self, sorted_slots: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """For each sorted copy: whether it is among the first ``capacity`` copies of its expert."""
