@@ -481,7 +481,7 @@ class Trainer:
             stopping.restore()
             self.replicas.close()
             self.train_loader.close()  # its prefetch thread and worker processes end with the run
-        self.metrics.close()
+            self.metrics.close()  # also when the run stops on an error: main() called in-process keeps no file open
 
 
     def stop_without_quorum(self, error: QuorumLost, step: int, start_step: int) -> QuorumLost:

@@ -1,5 +1,5 @@
 """Checkpoints through real runs of ./run_train.sh (torchrun processes): kill -9 of the whole job in the
-middle of a save, and a full disk (exact resume and resharding are in tests/distributed/test_checkpoint.py;
+middle of a save; and a full disk, the trainer in this process (exact resume and resharding are in tests/distributed/test_checkpoint.py;
 the shared settings in tests/support/checkpoints.py). The kill test's two runs share training.steps.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.checkpoints import CKPT, COMMON, STEPS, STRAIGHT, assert_same, batch
-from tests.support.launch import read_metrics, run_train, start_train
+from tests.support.launch import read_metrics, run_train, start_train, train_in_process
 from tests.support.processes import kill_tree, run
 from trainer.checkpoint.layout import scan_folder, validate_checkpoint
 
@@ -72,19 +72,19 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
     return run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], timeout=60).returncode == 0
 
 
-def test_disk_full(tmp_path):
+def test_disk_full(tmp_path, monkeypatch):
     """A 100 MiB filesystem holds one checkpoint (65 MiB) but not two: the first save succeeds, the
     second is refused with a message about disk space, the run exits non-zero, and step-2 stays intact.
-    (Without permission to mount a tmpfs the same is simulated with checkpoint.drill_disk_bytes.)"""
+    (Without permission to mount a tmpfs the same is simulated with checkpoint.drill_disk_bytes.) The trainer
+    runs in this process: the refusal is the trainer's, and a launch would add only its start-up."""
     dump = tmp_path / "small"
     mounted = _mount_tmpfs(dump, "100m")
     try:
         extra = [] if mounted else ["--checkpoint.drill_disk_bytes", str(100 << 20)]
-        proc = run_train(dump, *COMMON, *CKPT, *batch(1), "--training.steps", "6", "--checkpoint.interval", "2",
-                         "--checkpoint.last_save_model_only", "false", "--model.n_layers", "6", *extra,
-                         check=False)  # the debug model's six blocks: 65 MiB a checkpoint
-        log = output(proc)
-        assert proc.returncode != 0, log[-3000:]
+        rc, log = train_in_process(dump, *COMMON, *CKPT, *batch(1), "--training.steps", "6", "--checkpoint.interval",
+                                   "2", "--checkpoint.last_save_model_only", "false", "--model.n_layers", "6", *extra,
+                                   monkeypatch=monkeypatch)  # the debug model's six blocks: 65 MiB a checkpoint
+        assert rc != 0, log[-3000:]
         assert "disk space is short" in log  # said at the start
         assert "not enough disk space for checkpoint step-4" in log and "checkpoint error" in log
         assert [(c.path.name, c.status) for c in scan_folder(dump / "checkpoint")] == [("step-2", "complete")]
@@ -92,4 +92,6 @@ def test_disk_full(tmp_path):
         assert max(records(dump)) == 4
     finally:
         if mounted:
-            run(["umount", str(dump)], timeout=60)
+            umount = run(["umount", str(dump)], timeout=60)
+    if mounted:  # the run stopped on an error and keeps nothing open in its dump folder
+        assert umount.returncode == 0, umount.stderr

@@ -1,8 +1,9 @@
 """Never lose or corrupt work, end to end through run_train.sh (real torchrun, gloo, DCP files).
 
 One straight 20-step run on 2 processes is the reference for every other run here; a second launch into
-the dump folder of a run that is still going must be refused. Tiny settings: the debug model at seq_len 32, a
-constant learning rate after warmup (so that a 10-step run continued to 20 follows the same schedule).
+the dump folder of a run that is still going must be refused. Tiny settings: two of the debug model's six
+blocks at seq_len 32, a constant learning rate after warmup (so that a 10-step run continued to 20 follows the
+same schedule).
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ from pathlib import Path
 import pytest
 
 from tests.support.batches import spec
-from tests.support.launch import losses, read_metrics, run_train, start_train
+from tests.support.launch import losses, read_metrics, run_train, start_train, train_in_process
 from tests.support.processes import alive, descendants, kill_tree, run
 
 TINY = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
         "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_type", "constant",
-        "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "true"]
+        "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "true", "--model.n_layers", "2"]
 STEPS = 20
 
 
@@ -121,15 +122,16 @@ def test_bit_flip_in_newest_checkpoint(straight, tmp_path):
     assert [got[s] for s in range(16, STEPS + 1)] == [want[s] for s in range(16, STEPS + 1)]
 
 
-def test_every_checkpoint_corrupt_stops_untouched(straight, tmp_path):
+def test_every_checkpoint_corrupt_stops_untouched(straight, tmp_path, monkeypatch):
+    """The trainer in this process (one process, as a launch would start): what it refuses is the trainer's;
+    the launcher passing a worker's exit code on is tests/e2e/test_launcher_errors.py's."""
     dump = tmp_path / "run"
     shutil.copytree(straight, dump)
     for step_dir in (dump / "checkpoint").iterdir():
         flip_bit(step_dir / "__0_0.distcp")
     before = hashes(dump / "checkpoint")
-    proc = train(dump, "--training.steps", "25", nproc=1, check=False)
-    log = output(proc)
-    assert proc.returncode == 3, log[-3000:]
+    rc, log = train_in_process(dump, *TINY, "--training.steps", "25", monkeypatch=monkeypatch, fast=False)
+    assert rc == 3, log[-3000:]
     assert "holds checkpoints but none can be loaded" in log and "Traceback" not in log
     for step in (5, 10, 15, 20):
         assert f"step-{step}: CORRUPT" in log
