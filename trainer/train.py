@@ -417,6 +417,9 @@ class Trainer:
         with obs.step(step):  # the drills; CUDA out-of-memory: memory snapshot, re-raised
             out = self.train_step(step)
         last = step == config.training.steps
+        if last:  # a background save still in flight is agreed now (the final save waits for it anyway), so
+            with obs.checkpoint():  # the last record counts its outcome whatever the thread's timing
+                self.checkpointer.finish()
         # A skip known on the host (a skipped range) is always logged; a guard's verdict stays on the device
         # and is reported at the next log step.
         # Step 1 always (as torchtitan): the first loss line comes at once whatever metrics.log_freq is.

@@ -89,8 +89,8 @@ def test_reshard(batches):
         assert_same(straight, got, range(11, STEPS + 1), rel=1e-5)
     fsdp2 = runs["fsdp2"].log
     assert "checkpoint step-15 FAILED" in fsdp2 and "injected write failure" in fsdp2
-    # The failed background save of step 15 is agreed at a step boundary soon after (the run goes on:
-    # max_failed_saves 2): the run's summary and the last step's record count it.
+    # The failed background save of step 15 is agreed at a step boundary after it (the run goes on:
+    # max_failed_saves 2), at the latest before the last step's record: the summary and that record count it.
     assert json.loads((runs["fsdp2"].dump / "summary.json").read_text())["checkpoint_failures"] == 1
     assert runs["fsdp2"].records()[STEPS]["checkpoint_failures"] == 1
     assert "step-10 loaded" in runs["hsdp"].log

@@ -231,6 +231,18 @@ def test_failed_save_counted_then_run_continues(tmp_path, mp):
     assert [c.path.name for c in scan_folder(dump / "checkpoint")] == ["step-4", "step-6", "final-step-6"]
 
 
+def test_a_background_save_failing_after_the_last_step_is_in_the_last_record(tmp_path, mp):
+    """Step 5's background save fails 2 s into its write (the drill's delay), while step 6, the last, trains:
+    its outcome is agreed before the last record is written, so that record counts it (not only summary.json)."""
+    dump = tmp_path / "run"
+    rc, log = train(dump, "--training.steps", "6", "--checkpoint.interval", "5", "--checkpoint.async_mode", "async",
+                    "--checkpoint.max_failed_saves", "2", "--checkpoint.drill_fail_save_steps", "5",
+                    "--checkpoint.drill_save_delay_s", "2", monkeypatch=mp)
+    assert rc == 0, log
+    assert "checkpoint step-5 FAILED" in log
+    assert losses(dump)[6]["checkpoint_failures"] == 1
+
+
 def test_short_disk_refuses_the_save(tmp_path, mp):
     dump = tmp_path / "run"
     rc, log = train(dump, "--training.steps", "6", "--checkpoint.interval", "2", "--model.n_layers", "6",
