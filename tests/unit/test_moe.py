@@ -260,6 +260,11 @@ def test_config_refusals(args, message):
         validate(config, world_size=2)
 
 
+def test_a_misspelt_choice_gets_a_suggestion():
+    with pytest.raises(ConfigError, match=re.escape("got 'softmx' (did you mean 'softmax'?)")):
+        load_config(["--model.flavor", "debug_moe", "--model.moe.score_func", "softmx"])
+
+
 def _imbalance(records, steps) -> float:
     return sum(records[s]["moe_load_imbalance"] for s in steps) / len(steps)
 

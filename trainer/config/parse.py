@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 import sys
 import types
 import typing
@@ -60,7 +61,8 @@ def _convert(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
                 return _convert(key, arg, value, from_cli)
             except ConfigError as e:
                 errors.append(e)
-        fail()
+        close = re.search(r" \(did you mean '[^']*'\?\)", " ".join(map(str, errors)))
+        fail(close.group(0) if close else "")  # a choice's suggestion (a Literal or None) is kept
     if origin is Literal:
         choices = typing.get_args(tp)
         if value in choices:

@@ -392,7 +392,7 @@ def check_experts(config, args: LlamaModelArgs) -> None:
     p = config.parallelism
     if p.tensor_parallel_degree > 1:
         raise ConfigError("parallelism.tensor_parallel_degree > 1 does not split mixture-of-experts layers yet: set "
-                          "it to 1 (shard the experts with FSDP: data_parallel_shard_degree)")
+                          "it to 1, and split the experts with parallelism.expert_parallel_degree")
     if args.moe.aux_loss_coeff > 0 and p.context_parallel_degree > 1:
         raise ConfigError("model.moe.aux_loss_coeff is a per-sequence loss and context parallel splits the "
                           "sequences: set parallelism.context_parallel_degree = 1, or balance with "
