@@ -76,7 +76,10 @@ def forward_backward(model: torch.nn.Module, batches: list[dict[str, torch.Tenso
     CP ranks like data-parallel ranks: trainer/parallel/context.py)."""
     batches = [shard_batch(b, context_parallel) for b in batches]
     tokens_per_rank = sum(b["labels"].numel() for b in batches)
-    set_aux_loss_scale(moe_layers(model), _aux_loss_scale(tokens_per_rank, loss_scale))
+    # A mixture of experts' layers (found only in a model that has them: this runs every step).
+    experts = moe_layers(model) if getattr(getattr(model, "args", None), "moe", None) is not None else []
+    if experts:
+        set_aux_loss_scale(experts, _aux_loss_scale(tokens_per_rank, loss_scale))
     total = torch.zeros((), device=device)
     for batch in batches:
         inputs = batch["input"].to(device, non_blocking=True)
@@ -150,7 +153,8 @@ def forward_backward_pipeline(schedule, batches: list[dict[str, torch.Tensor]], 
     pipeline_loss.tokens_per_rank = sum(b["labels"].numel() for b in batches)
     pipeline_loss.scale = loss_scale
     experts = [layer for _, layers in pipeline_loss.stage_experts for layer in layers]
-    set_aux_loss_scale(experts, _aux_loss_scale(pipeline_loss.tokens_per_rank, loss_scale))
+    if experts:
+        set_aux_loss_scale(experts, _aux_loss_scale(pipeline_loss.tokens_per_rank, loss_scale))
     total = torch.zeros((), device=device)
     for batch in batches:
         inputs = batch["input"].to(device, non_blocking=True)

@@ -235,33 +235,35 @@ def config_model_args(config) -> LlamaModelArgs:
         raise ConfigError(f"[model] shape: {e} (model.dim, n_heads, n_kv_heads)") from None
 
 
-# [model.moe] keys that override the MoEArgs field of the same name (unset: the flavor's); zero means "off" for
-# the three optional features.
+# [model.moe] keys that override the MoEArgs field of the same name (unset: the flavor's); 0 turns the bias and
+# the capacity off (their MoEArgs value None).
 _MOE_FIELDS = ("top_k", "num_shared_experts", "score_func", "route_norm", "route_scale", "score_before_experts",
                "load_balance_coeff", "aux_loss_coeff", "capacity_factor")
-_OFF_AT_ZERO = {"load_balance_coeff": None, "capacity_factor": None}
+_OFF_AT_ZERO = ("load_balance_coeff", "capacity_factor")
+# [model.moe] keys that set a LlamaModelArgs field (the MoE layout) -> that field.
+_MOE_LAYOUT = {"hidden_dim": "moe_hidden_dim", "interleave_moe_layer_step": "interleave_moe_layer_step",
+               "auto_scale_hidden_dim": "auto_scale_hidden_dim"}
 
 
 def _moe_overrides(mo: ModelMoE, base: LlamaModelArgs) -> dict:
     """The LlamaModelArgs fields [model.moe] sets: ``moe`` (None: dense) and the MoE layout keys."""
-    given = {k: getattr(mo, k) for k in _MOE_FIELDS if _is_set(getattr(mo, k))}
-    layout = {"moe_hidden_dim": mo.hidden_dim, "interleave_moe_layer_step": mo.interleave_moe_layer_step,
-              "auto_scale_hidden_dim": mo.auto_scale_hidden_dim}
-    layout = {k: v for k, v in layout.items() if _is_set(v)}
-    for key, value in [*given.items(), *layout.items()]:
+    layout_keys = {"hidden_dim": mo.hidden_dim, "interleave_moe_layer_step": mo.interleave_moe_layer_step,
+                   "auto_scale_hidden_dim": mo.auto_scale_hidden_dim}
+    given = {k: getattr(mo, k) for k in _MOE_FIELDS} | layout_keys
+    given = {k: v for k, v in given.items() if _is_set(v)}
+    for key, value in given.items():
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
-            raise ConfigError(f"model.moe.{_MOE_KEY.get(key, key)} must be >= 0, got {value}")
+            raise ConfigError(f"model.moe.{key} must be >= 0, got {value}")
     if mo.num_experts == 0 or (mo.num_experts == -1 and base.moe is None):
-        if given or layout:
-            field_name = next(iter({**given, **layout}))
+        if given:
             why = "model.moe.num_experts = 0" if mo.num_experts == 0 else "the flavor is dense"
-            raise ConfigError(f"model.moe.{_MOE_KEY.get(field_name, field_name)} is set but the model has no experts "
-                              f"({why}): set model.moe.num_experts, choose an MoE flavor (debug_moe, llama4's), "
-                              "or drop the key")
+            raise ConfigError(f"model.moe.{next(iter(given))} is set but the model has no experts ({why}): set "
+                              "model.moe.num_experts, choose an MoE flavor (debug_moe, llama4's), or drop the key")
         return {"moe": None}
-    for key, off in _OFF_AT_ZERO.items():
+    layout = {_MOE_LAYOUT[k]: given.pop(k) for k in _MOE_LAYOUT if k in given}
+    for key in _OFF_AT_ZERO:
         if given.get(key) == 0:
-            given[key] = off
+            given[key] = None
     start = base.moe if base.moe is not None else MoEArgs()
     if mo.num_experts > 0:
         given["num_experts"] = mo.num_experts
@@ -271,10 +273,6 @@ def _moe_overrides(mo: ModelMoE, base: LlamaModelArgs) -> dict:
     except ValueError as e:
         raise ConfigError(f"[model.moe]: {e}") from None
     return {"moe": moe, **layout}
-
-
-# LlamaModelArgs field -> its [model.moe] key, where the names differ.
-_MOE_KEY = {"moe_hidden_dim": "hidden_dim"}
 
 
 def _rope_scaling(m, base: RopeScaling | None) -> RopeScaling | None:
