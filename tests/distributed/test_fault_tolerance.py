@@ -28,7 +28,7 @@ from trainer.checkpoint.replicas import group_data_state, job_data_state, read_d
 from trainer.errors import CheckpointError
 from tests.support.launch import start_train, train_in_process
 from tests.support.parity import IN_TRAINING_EVAL, STEPS, relative_diffs
-from tests.support.processes import free_port, kill_tree, popen, wait_for
+from tests.support.processes import QUICK_S, free_port, kill_tree, popen, wait_for
 
 pytest.importorskip("torchft")
 
@@ -53,7 +53,7 @@ def lighthouse(folder: Path, min_replicas: int) -> tuple[subprocess.Popen, str]:
         with socket.socket() as s:
             return s.connect_ex(("127.0.0.1", port)) == 0
 
-    wait_for(listening, "the lighthouse to listen", timeout=60, proc=proc, log=log)
+    wait_for(listening, "the lighthouse to listen", timeout=QUICK_S, proc=proc, log=log)
     assert log.read_text().startswith("export TORCHFT_LIGHTHOUSE=http://")
     return proc, f"http://localhost:{port}"
 

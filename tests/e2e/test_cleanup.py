@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 from tests.support.launch import ROOT
-from tests.support.processes import alive, descendants, kill_tree, popen, wait_for
+from tests.support.processes import QUICK_S, alive, descendants, kill_tree, popen, wait_for
 
 INNER = textwrap.dedent('''
     import json
@@ -73,6 +73,6 @@ def sessions(tmp_path_factory):
 @pytest.mark.parametrize("name", list(SIGNALS))
 def test_stopping_pytest_stops_every_run_it_started(sessions, name):
     inner, tree = sessions[name]
-    inner.wait(timeout=60)
-    wait_for(lambda: not any(alive(p) for p in tree), "every process of the tree to end", timeout=60)
+    inner.wait(timeout=QUICK_S)
+    wait_for(lambda: not any(alive(p) for p in tree), "every process of the tree to end", timeout=QUICK_S)
     assert not [p for p in tree if alive(p)]

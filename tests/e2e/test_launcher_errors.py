@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.support.launch import ROOT, run_train
-from tests.support.processes import run
+from tests.support.processes import QUICK_S, run
 from tests.support.tokenizers import TORCHTITAN_ASSETS as ASSETS, make_tokenizer_folder
 
 SMALL = ["--training.steps", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
@@ -123,7 +123,7 @@ def test_impossible_layouts_fail_before_work(tmp_path):
 def test_launcher_rejects_bad_keys_before_any_work():
     for args in (["--training.no_such_key=1"], ["--training.stepz", "5"], ["--training.steps", "x"]):
         proc = run([str(ROOT / "run_train.sh"), *args], cwd=ROOT, env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable},
-                   timeout=60)
+                   timeout=QUICK_S)
         assert proc.returncode == 2, proc.stderr
         key = args[0].lstrip("-").split("=")[0]
         assert key in proc.stderr and "config error" in proc.stderr

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.processes import run
+from tests.support.processes import QUICK_S, run
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = {
@@ -24,7 +24,7 @@ CASES = {
 
 def dry(env: dict[str, str]) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PBS_", "NNODES", "NODE_RANK"))}
-    return run([str(ROOT / "run_train.sh")], env={**clean, "RUN_TRAIN_DRY": "1", "NGPU": "1", **env}, timeout=60,
+    return run([str(ROOT / "run_train.sh")], env={**clean, "RUN_TRAIN_DRY": "1", "NGPU": "1", **env}, timeout=QUICK_S,
                cwd=ROOT)
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.launch import FAST, ROOT, train_env, train_in_process
-from tests.support.processes import free_port, kill_tree, popen, run, wait_for
+from tests.support.processes import QUICK_S, free_port, kill_tree, popen, run, wait_for
 from trainer.checkpoint.layout import scan_folder
 
 pytest.importorskip("torchft")
@@ -82,7 +82,7 @@ def job(tmp_path_factory):
             with socket.socket() as s:
                 return s.connect_ex(("127.0.0.1", port)) == 0
 
-        wait_for(listening, "the lighthouse to listen", timeout=60, proc=lighthouse, log=folder / "lighthouse.out")
+        wait_for(listening, "the lighthouse to listen", timeout=QUICK_S, proc=lighthouse, log=folder / "lighthouse.out")
         procs["group0"] = start_group(dump, 0, address, "group0")
         wait_for(lambda: "replica_0:" in status_page(address), "group 0's Manager at the lighthouse",
                  proc=procs["group0"], log=folder / "group0.out")
@@ -201,7 +201,7 @@ def test_trainer_lighthouse_on_a_port_in_use_is_one_line_before_the_address():
         taken.bind(("0.0.0.0", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        out = run([sys.executable, "-m", "trainer.cli", "lighthouse", "--port", str(port)], cwd=ROOT, timeout=60)
+        out = run([sys.executable, "-m", "trainer.cli", "lighthouse", "--port", str(port)], cwd=ROOT, timeout=QUICK_S)
     assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and f"cannot listen on port {port}" in lines[0] and "--port" in lines[0], out.stderr
@@ -220,7 +220,7 @@ def test_trainer_lighthouse_prints_an_address_other_nodes_can_reach(tmp_path):
     proc = popen([sys.executable, "-m", "trainer.cli", "lighthouse", "--port", str(port)], stdout=open(log, "w"),
                  stderr=subprocess.STDOUT)
     try:
-        wait_for(lambda: len(log.read_text().splitlines()) >= 2, "the lighthouse's address", timeout=60, proc=proc,
+        wait_for(lambda: len(log.read_text().splitlines()) >= 2, "the lighthouse's address", timeout=QUICK_S, proc=proc,
                  log=log)
     finally:
         kill_tree(proc)

@@ -30,7 +30,7 @@ import pytest
 
 from tests.support.launch import FAST, ROOT, read_metrics, start_train
 from tests.support.parity import LAYOUTS, STEPS
-from tests.support.processes import free_port, kill_tree, run as run_process
+from tests.support.processes import QUICK_S, free_port, kill_tree, run as run_process
 
 # The one-node reference is the parity tests' HSDP 2 x 2 run on four processes (a batched run declared in
 # tests/support/parity.py; its evaluation at step 4 leaves the losses as they are): the two-node runs train
@@ -98,7 +98,7 @@ def dry(cmd: list[str], env: dict[str, str], tmp_path: Path, check: bool = True)
              and k not in ("NNODES", "NODE_RANK", "RDZV_ENDPOINT", "RDZV_ID", "RDZV_CONF", "MASTER_ADDR",
                            "MASTER_PORT", "LOCAL_ADDR", "MAX_RESTARTS", "NGPU", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")}
     full = {**clean, "RUN_TRAIN_DRY": "1", "PATH": f"{fake_bin(tmp_path)}:{os.environ['PATH']}", **env}
-    proc = run_process(cmd, cwd=ROOT, env=full, timeout=120)
+    proc = run_process(cmd, cwd=ROOT, env=full, timeout=QUICK_S)
     if check:
         assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
@@ -221,7 +221,7 @@ def two_nodes(root: Path, name: str, args: list[str], env: dict[str, str] | None
 
 
 def sh(*cmd: str) -> subprocess.CompletedProcess:
-    return run_process(list(cmd), timeout=60)
+    return run_process(list(cmd), timeout=QUICK_S)
 
 
 class NetnsPair:

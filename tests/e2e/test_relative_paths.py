@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.support.processes import run
+from tests.support.processes import QUICK_S, run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,7 +42,7 @@ def test_a_relative_config_file_is_the_users_not_the_repositorys(tmp_path):
 def test_config_toml_records_the_absolute_path(tmp_path):
     user_copy(tmp_path)
     proc = run([sys.executable, "-m", "trainer.config", "--job.config_file", "train_configs/debug_model.toml",
-                "--training.steps", "3"], cwd=tmp_path, timeout=120)
+                "--training.steps", "3"], cwd=tmp_path, timeout=QUICK_S)
     assert proc.returncode == 0, proc.stderr
     assert f'config_file = "{tmp_path / "train_configs" / "debug_model.toml"}"' in proc.stdout
 

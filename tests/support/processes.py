@@ -28,6 +28,12 @@ from pathlib import Path
 PR_SET_PDEATHSIG = 1
 _SITECUSTOMIZE = Path(__file__).with_name("stacks")  # the folder holding sitecustomize.py
 
+# The limit for a command that takes seconds on an idle machine (a Python start that imports torch, a run
+# stopping). The suite runs its batched multi-process runs beside its two workers on two cores, so such a
+# command can take minutes there: CI once saw a 3-second `trainer checkpoint verify` pass 120 s. Below the
+# unit tier's 300-s test limit (tests/support/timeouts.py), so the command's own message comes first.
+QUICK_S = 280.0
+
 _started: dict[int, subprocess.Popen] = {}
 _lock = threading.Lock()
 _stacks_folder: Path | None = None

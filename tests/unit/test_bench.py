@@ -11,7 +11,7 @@ import torch
 from trainer.tools import bench
 
 from tests.support.launch import ROOT
-from tests.support.processes import run
+from tests.support.processes import QUICK_S, run
 
 
 def test_bench_overhead_small_writes_ratio(tmp_path):
@@ -96,7 +96,7 @@ def test_gpu_case_process_runs_on_cpu():
 
 
 def test_gpu_suite_refuses_without_cuda_in_one_line():
-    proc = run([sys.executable, "-m", "trainer.cli", "bench", "gpu", "--matrix", "hot_path"], cwd=ROOT, timeout=120,
+    proc = run([sys.executable, "-m", "trainer.cli", "bench", "gpu", "--matrix", "hot_path"], cwd=ROOT, timeout=QUICK_S,
                env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().count("\n") == 0 and "no CUDA device" in proc.stderr

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.processes import run
+from tests.support.processes import QUICK_S, run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,7 +32,7 @@ def interrupted_torch(tmp_path):
     [sys.executable, "-m", "trainer.cli", "eval", "--help"],
 ], ids=["launcher", "worker", "trainer-command"])
 def test_ctrl_c_while_importing_torch_is_one_line_and_sigint(command, interrupted_torch, tmp_path):
-    proc = run(command, env=interrupted_torch, cwd=tmp_path, timeout=120)
+    proc = run(command, env=interrupted_torch, cwd=tmp_path, timeout=QUICK_S)
     assert proc.returncode == -signal.SIGINT, (proc.returncode, proc.stderr)  # a shell reports 130
     assert "Traceback" not in proc.stderr, proc.stderr
     lines = proc.stderr.strip().splitlines()
@@ -41,5 +41,5 @@ def test_ctrl_c_while_importing_torch_is_one_line_and_sigint(command, interrupte
 
 def test_a_torchrun_worker_leaves_the_report_to_its_launcher(interrupted_torch, tmp_path):
     proc = run([sys.executable, "-m", "trainer.train"], env={**interrupted_torch, "LOCAL_RANK": "0"},
-               cwd=tmp_path, timeout=120)
+               cwd=tmp_path, timeout=QUICK_S)
     assert proc.returncode == -signal.SIGINT and proc.stderr.strip() == "", proc.stderr

@@ -26,7 +26,7 @@ import torch
 from torch.profiler import ProfilerAction, record_function
 
 from tests.support.launch import ROOT
-from tests.support.processes import popen
+from tests.support.processes import QUICK_S, popen
 from trainer import logs
 from trainer.observability import profiling
 from trainer.observability.sinks import build_wandb_writer
@@ -423,5 +423,5 @@ def test_crash_drill_kills_its_rank_before_the_step_on_the_first_attempt_only(ra
     SIGKILL before that step, only on torchrun's first attempt; other ranks and a restarted one go on."""
     env = {**os.environ, "TORCHELASTIC_RESTART_COUNT": restarts}
     proc = popen([sys.executable, "-c", CRASH_SCRIPT, str(rank)], env=env, stdout=subprocess.PIPE, text=True)
-    out, _ = proc.communicate(timeout=120)
+    out, _ = proc.communicate(timeout=QUICK_S)
     assert proc.returncode == code and out == steps
