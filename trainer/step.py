@@ -162,6 +162,9 @@ def forward_backward_pipeline(schedule, batches: list[dict[str, torch.Tensor]], 
         losses: list[torch.Tensor] = []
         args = (inputs,) if has_first else ()
         kwargs = {"target": labels, "losses": losses} if has_last else {}
+        # The document positions go to every stage (the schedule splits keyword inputs into micro-batches and
+        # hands them to each stage's forward): each stage builds its blocks' block_causal mask from them.
+        kwargs.update(model_kwargs(batch, device))
         # The schedule computes the loss and runs backward inside, hence the loss-parallel context around it.
         pipeline_loss.unscaled = []
         with record_function("forward_backward"), autocast, loss_parallel(parallel_loss), \

@@ -1,9 +1,9 @@
 """Context parallelism reproduces the single-process loss (real gloo processes, batched runs): CP 2 and CP 4 with both
 rotate methods, and CP beside FSDP, HSDP, tensor and pipeline parallelism, each with causal and block_causal
-attention (block_causal does not run under pipeline parallelism yet: causal only there), for 10 steps within 1e-5
-relative, with activation checkpointing and validation in some of them. A checkpoint saved at CP 2 resumes at CP 1
-and at FSDP 2, and one saved at CP 1 resumes at CP 2, with the same data and losses. The data are short token-file documents (tests/assets/token_files), so
-every sequence packs several documents and block_causal's mask matters."""
+attention, for 10 steps within 1e-5 relative, with activation checkpointing and validation in some of them. A
+checkpoint saved at CP 2 resumes at CP 1 and at FSDP 2, and one saved at CP 1 resumes at CP 2, with the same data
+and losses. The data are short token-file documents (tests/assets/token_files), so every sequence packs several
+documents and block_causal's mask matters."""
 
 import pytest
 
@@ -27,8 +27,8 @@ REFERENCE = {mask: spec(f"cp_reference_{mask}", 1, *STEPS, *DOCS, *extra, *VALID
                         "8", *(CKPT if mask == "causal" else []))
              for mask, extra in MASKS.items()}
 
-# name: (processes, local batch size (x data-parallel degree = 8), arguments); each runs with both masks
-# (pipeline parallel: causal only). The methods alternate over the composed layouts, so each composition
+# name: (processes, local batch size (x data-parallel degree = 8), arguments); each runs with both masks.
+# The methods alternate over the composed layouts, so each composition
 # meets each method once with one of the masks. Some also validate (the validation loss is compared too; only
 # without data parallelism, where the validation batches are the single process's) or checkpoint
 # activations (which must change nothing).
@@ -49,8 +49,6 @@ COMPOSED_METHOD = {("causal", 0): "allgather", ("causal", 1): "alltoall", ("bloc
 RUNS: dict[tuple[str, str], str] = {}
 for _i, (_name, (_nproc, _batch, _extra)) in enumerate(LAYOUTS.items()):
     for _mask, _mask_args in MASKS.items():
-        if _name.startswith("pp") and _mask == "block":
-            continue
         _method = [] if _name.startswith("cp") else method(COMPOSED_METHOD[(_mask, _i % 2)])
         _ckpt = CKPT if (_name, _mask) == ("cp2_allgather", "causal") else []
         RUNS[(_name, _mask)] = spec(f"cp_{_name}_{_mask}", _nproc, *STEPS, *DOCS, *_mask_args, *_extra, *_method,

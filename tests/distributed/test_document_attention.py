@@ -1,4 +1,4 @@
-"""block_causal attention under FSDP and tensor parallelism reproduces the single-process loss (real gloo
+"""block_causal attention under FSDP, tensor and pipeline parallelism reproduces the single-process loss (real gloo
 processes, batched runs). The data are short token-file documents (tests/assets/token_files), so every
 sequence packs several documents and the mask matters."""
 
@@ -15,6 +15,9 @@ LAYOUTS = {
     "fsdp2": spec("block_causal_fsdp2", 2, *STEPS, "--training.local_batch_size", "4", *DOCUMENTS),
     "tp2": spec("block_causal_tp2", 2, *STEPS, "--training.local_batch_size", "8", *DOCUMENTS,
                 "--parallelism.tensor_parallel_degree", "2"),
+    # Every stage masks its blocks from the positions the schedule hands it with each micro-batch.
+    "pp2": spec("block_causal_pp2", 2, *STEPS, "--training.local_batch_size", "8", *DOCUMENTS,
+                "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"),
 }
 
 

@@ -377,10 +377,6 @@ def check_config(config) -> None:
         raise ConfigError("model.rope_per_document restarts RoPE at each document of block_causal attention: set "
                           "model.attn_mask_type = \"block_causal\" too, or drop it")
     check_experts(config, config_model_args(config))
-    if m.attn_mask_type == "block_causal" and config.parallelism.pipeline_parallel_degree > 1:
-        raise ConfigError("model.attn_mask_type = \"block_causal\" does not run under pipeline parallelism yet (the "
-                          "later stages do not receive the document positions): set "
-                          "parallelism.pipeline_parallel_degree = 1 or use attn_mask_type = \"causal\"")
 
 
 def check_experts(config, args: LlamaModelArgs) -> None:
