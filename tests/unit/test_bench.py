@@ -151,3 +151,26 @@ def test_bench_data_files_measures_every_kind_against_plain_memmap(tmp_path):
     assert [r["kind"] for r in rows] == ["plain", "megatron", "numpy", "arrow"]
     assert all(r["tokens_per_s"] > 0 and r["plain_tokens_per_s"] == rows[0]["tokens_per_s"] for r in rows)
     assert "megatron" in format_rows({"rows": rows})
+
+
+def test_context_parallel_cases_are_configs_the_trainer_takes(tmp_path):
+    """trainer bench context-parallel: CP 1, 2 and 4, causal and block_causal, both rotate methods above CP 1;
+    each case a config the trainer accepts at its world size, and plan's estimate per rank falls with the
+    degree (the run itself is the benchmark's: docs/benchmarks.md)."""
+    from trainer.config import load_config
+    from trainer.config.validate import validate
+    from trainer.tools.bench import context_parallel as cp
+
+    cases = cp.cases()
+    assert len(cases) == 10 and {(m, d) for m, d, _ in cases} == {(m, d) for m in cp.MASKS for d in cp.DEGREES}
+    planned = {}
+    for mask, degree, method in cases:
+        argv = cp.case_argv(str(bench.DEFAULT_CONFIG), tmp_path / "run", 8192, mask, degree, method, [])
+        config = load_config(argv, env={})
+        validate(config, degree)
+        p = config.parallelism
+        assert (config.model.attn_mask_type, p.context_parallel_degree, config.training.seq_len) == (mask, degree, 8192)
+        assert method is None or p.context_parallel_rotate_method == method
+        planned[(mask, degree)] = cp.plan_total_gib(argv, degree)
+    for mask in cp.MASKS:
+        assert planned[(mask, 1)] > planned[(mask, 2)] > planned[(mask, 4)] > 0

@@ -41,7 +41,8 @@ def positions_of(lengths: list[int], first: int = 0) -> torch.Tensor:
 def test_mask_from_global_positions_is_the_whole_sequence_mask_on_each_ranks_rows(cp, block):
     seq = 32
     positions = torch.stack([positions_of([5, 11, 3, 13], first=2), positions_of([20, 12])])
-    full = (document_mask(positions, rope_restart=False, kernel="sdpa").mask if block
+    # The masks are additive (0: may attend, -inf: may not); as booleans here.
+    full = (document_mask(positions, rope_restart=False, kernel="sdpa").mask == 0 if block
             else torch.ones(seq, seq, dtype=torch.bool).tril()[None, None].expand(2, 1, seq, seq))
     for r in range(cp):
         index = headtail_index(seq, cp, r)
@@ -52,13 +53,57 @@ def test_mask_from_global_positions_is_the_whole_sequence_mask_on_each_ranks_row
             starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
             segments = torch.cumsum(starts, dim=1, dtype=torch.int32)
         allgather = ContextParallelMask(ContextParallel(None, cp, r, "allgather"), seq, index, segments)
-        # allgather: this rank's queries (rows) over every key in order (columns).
-        assert torch.equal(allgather.mask.expand(2, 1, len(index), seq), full[:, :, index])
+        # allgather: this rank's queries (rows) over every key in order (columns); causal on CPU needs no mask
+        # (each local chunk attends the keys up to its end: the next test).
+        if block:
+            assert torch.equal((allgather.mask == 0).expand(2, 1, len(index), seq), full[:, :, index])
+        else:
+            assert allgather.mask is None and allgather.flash_ops is not None
         # alltoall: the whole sequence in order on both sides (causal: SDPA's is_causal, no mask).
         alltoall = ContextParallelMask(ContextParallel(None, cp, r, "alltoall"), seq, index, segments)
-        assert (alltoall.mask is None) if not block else torch.equal(alltoall.mask, full)
+        assert (alltoall.mask is None) if not block else torch.equal(alltoall.mask == 0, full)
         # The orders that take gathered shards to the sequence and back are inverse permutations.
         assert torch.equal(allgather.gathered[allgather.order], torch.arange(seq))
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_causal_chunks_attend_what_the_causal_mask_allows(cp, kv_heads):
+    """allgather's causal attention on CPU (each local chunk over the keys before it in full and itself
+    causally, merged by log-sum-exp) gives, forward and backward, what SDPA gives under the dense causal mask
+    of the rank's rows; float32 against a float64 reference, grouped-query heads included."""
+    from trainer import torch_compat
+    from trainer.parallel.context import _CausalChunks
+
+    torch.manual_seed(cp * 10 + kv_heads)
+    seq, size = 32, 32 // (2 * cp)
+    for r in range(cp):
+        index = headtail_index(seq, cp, r)
+        q = torch.randn(2, 4, seq, 16, dtype=torch.float64, requires_grad=True)
+        k, v = (torch.randn(2, kv_heads, seq, 16, dtype=torch.float64, requires_grad=True) for _ in range(2))
+        grad_out = torch.randn(2, 4, len(index), 16, dtype=torch.float64)
+        mask = index[:, None] >= torch.arange(seq)[None, :]
+        want = torch.nn.functional.scaled_dot_product_attention(q[:, :, index], k, v, attn_mask=mask,
+                                                                enable_gqa=kv_heads != 4)
+        want_grads = torch.autograd.grad(want, (q, k, v), grad_out)
+        q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+        got = _CausalChunks.apply(q32[:, :, index], k32, v32, (r, 2 * cp - 1 - r), size,
+                                  torch_compat.cpu_flash_attention_ops())
+        grads = torch.autograd.grad(got, (q32, k32, v32), grad_out.float())
+        assert torch.allclose(got.double(), want, atol=2e-6), (got.double() - want).abs().max()
+        for g, w in zip(grads, want_grads):
+            assert torch.allclose(g.double(), w, atol=5e-6), (g.double() - w).abs().max()
+
+
+def test_fsdp_passes_the_mask_object_through_unrebuilt():
+    """FSDP casts a block's inputs with torch's ``_apply_to_tensors``, which rebuilds dataclasses: a mask
+    object rebuilt in every block would build (and keep for backward) its dense mask once per block; 6x the
+    mask at 8192 tokens on the debug model, found by `trainer bench context-parallel`."""
+    from torch.distributed.utils import _apply_to_tensors
+
+    segments = torch.ones(1, 32, dtype=torch.int32)
+    mask = ContextParallelMask(ContextParallel(None, 2, 0, "allgather"), 32, headtail_index(32, 2, 0), segments)
+    assert _apply_to_tensors(lambda t: t.clone(), mask) is mask
 
 
 def test_batch_split_keeps_what_is_not_along_the_sequence():

@@ -254,8 +254,22 @@ def test_context_parallel_divides_activations_and_adds_its_own_terms(capsys):
         cp = memory_estimate(s, Layout(1, 1, 1, 1, 1, 8192, "none", cp=4, cp_method=method))
         assert cp["params"] == quarter["params"] and cp["final_norm"] == quarter["final_norm"]
         gathered = 2 * 3 * 2048 * 2 * 2 * 32 if method == "allgather" else 0  # layers x (cp-1) x local x k,v x bf16
-        mask = 2048 * 8192 if method == "allgather" else 0  # causal alltoall: SDPA's own causal kernel
+        # An additive bf16 mask on CUDA (none on CPU, whose chunked kernel needs none); causal alltoall: none
+        # (SDPA's own causal kernel).
+        mask = 2048 * 8192 * 2 if method == "allgather" else 0
         assert cp["activations"] == quarter["activations"] + gathered + mask
+        on_cpu = memory_estimate(s, Layout(1, 1, 1, 1, 1, 8192, "none", cp=4, cp_method=method, device="cpu"))
+        assert on_cpu["activations"] == quarter["activations"] + gathered
+    # block_causal: a mask per sequence; without CP, a dense one on CPU only (CUDA runs FlexAttention).
+    for method, rows in (("allgather", 2048), ("alltoall", 8192)):
+        block = memory_estimate(s, Layout(1, 1, 1, 1, 2, 8192, "none", cp=4, cp_method=method, block_causal=True))
+        causal = memory_estimate(s, Layout(1, 1, 1, 1, 2, 8192, "none", cp=4, cp_method=method))
+        per_sequence = 2 * rows * 8192 * 2  # two sequences' masks, bf16
+        causal_mask = rows * 8192 * 2 if method == "allgather" else 0  # causal: one for the batch
+        assert block["activations"] - causal["activations"] == per_sequence - causal_mask
+    for device, mask in (("cuda", 0), ("cpu", 2 * 8192 * 8192 * 2)):
+        block = memory_estimate(s, Layout(1, 1, 1, 1, 2, 8192, "none", block_causal=True, device=device))
+        assert block["activations"] - memory_estimate(s, Layout(1, 1, 1, 1, 2, 8192, "none"))["activations"] == mask
     config = load_config(["--job.config_file", str(CONFIGS["llama3_8b"]), "--parallelism.context_parallel_degree", "4",
                           "--training.seq_len", "8192", "--parallelism.data_parallel_shard_degree", "2"], env={})
     short = plan(config, ngpu=8, gpu="H100")

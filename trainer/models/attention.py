@@ -65,7 +65,7 @@ class DocumentMask:
     restarting, each token's position inside its segment (``[batch, seq]``)."""
 
     kernel: str
-    mask: object  # a bool tensor [batch, 1, seq, seq] (sdpa) or a BlockMask (flex)
+    mask: object  # an additive float tensor [batch, 1, seq, seq] (sdpa) or a BlockMask (flex)
     rope_positions: torch.Tensor | None = None
 
 
@@ -84,9 +84,19 @@ def segment_positions(starts: torch.Tensor) -> torch.Tensor:
     return index - first
 
 
-def document_mask(positions: torch.Tensor, *, rope_restart: bool, kernel: str | None = None) -> DocumentMask:
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """SDPA's float form of the boolean mask ``allowed``: 0 where a query may attend, -inf elsewhere, in the
+    attention's dtype. Every block of a forward shares one mask; given a boolean one, SDPA converts it to this
+    form in each call and saves each copy for backward (a float mask as large as the scores per block), given
+    this form it saves the tensor itself."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def document_mask(positions: torch.Tensor, *, rope_restart: bool, kernel: str | None = None,
+                  dtype: torch.dtype = torch.float32) -> DocumentMask:
     """The ``block_causal`` mask of a batch from its document ``positions`` (``[batch, seq]``); ``kernel``
-    defaults to :func:`document_kernel` of the positions' device."""
+    defaults to :func:`document_kernel` of the positions' device. ``dtype``: the attention's (SDPA's mask is
+    :func:`additive_mask`)."""
     kernel = kernel or document_kernel(positions.device.type)
     starts = segment_starts(positions)
     segments = torch.cumsum(starts, dim=1, dtype=torch.int32)
@@ -102,12 +112,12 @@ def document_mask(positions: torch.Tensor, *, rope_restart: bool, kernel: str | 
         return DocumentMask(kernel, mask, rope)
     causal = torch.ones(seq, seq, dtype=torch.bool, device=positions.device).tril()
     mask = (segments[:, :, None] == segments[:, None, :]) & causal
-    return DocumentMask(kernel, mask.unsqueeze(1), rope)
+    return DocumentMask(kernel, additive_mask(mask.unsqueeze(1), dtype), rope)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
     """Attention of ``q`` over ``k``/``v`` (``[batch, heads, seq, head_dim]``; fewer key/value heads: grouped
-    query attention). ``mask``: None (causal), a bool tensor (True: may attend; SDPA) or a
+    query attention). ``mask``: None (causal), a tensor for SDPA (bool, True: may attend; or additive), a
     :class:`DocumentMask`, or an object with ``attend(q, k, v)`` that runs the attention itself (context
     parallel: trainer/parallel/context.py)."""
     if hasattr(mask, "attend"):

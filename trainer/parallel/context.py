@@ -12,8 +12,9 @@ NCCL on GPU):
 
 * ``allgather`` (Llama 3's method): keys and values are all-gathered over ``cp`` (one collective per layer;
   its backward sums the gradients back to their owners: an all-to-all and a sum), put back in sequence
-  order, and the local queries attend to them under the causal (or document) mask written for their global
-  positions.
+  order, and the local queries attend to them: causal on CPU without a mask, each local chunk over the keys
+  up to its end only (two flash-attention calls merged by their log-sum-exp, :class:`_CausalChunks`), else
+  under the causal (or document) mask written for their global positions.
 * ``alltoall`` (Ulysses): an all-to-all turns "local tokens, all heads" into "all tokens, heads / cp heads"
   before attention and another one turns it back after, so each rank runs ordinary attention over the whole
   sequence for its share of the heads. Key/value heads not divisible by ``cp`` are repeated to the query heads
@@ -26,7 +27,8 @@ RoPE rows of its tokens' global positions and a :class:`ContextParallelMask` (``
 token counts per rank, the mean of the local means is the mean over the sequence.
 
 The CUDA fast paths (torch's experimental ``context_parallel`` ring attention, FlexAttention block masks)
-are not used: the masks here are dense booleans for SDPA, ``[local tokens x sequence]`` per sequence.
+are not used: on CUDA, and for ``block_causal`` everywhere, the masks are dense booleans for SDPA,
+``[local tokens x sequence]`` per sequence.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from trainer import torch_compat
+from trainer.models.attention import additive_mask
 
 # torch 2.13 renamed all_gather_into_tensor (the old name warns); torch >= 2.11 is supported.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -105,10 +110,11 @@ class ContextParallel:
         return unshard_sequence(torch.cat(parts, dim=1), self.degree)
 
     def model_inputs(self, rope_cache: torch.Tensor, local_len: int, positions: torch.Tensor | None, *,
-                     block_causal: bool, rope_restart: bool) -> tuple[torch.Tensor, "ContextParallelMask"]:
+                     block_causal: bool, rope_restart: bool,
+                     dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, "ContextParallelMask"]:
         """The RoPE rows of this rank's tokens (their global positions) and the attention mask object for a
         forward over ``local_len`` local tokens; ``positions`` (this rank's share of the document positions)
-        only with ``block_causal``."""
+        only with ``block_causal``; ``dtype``: the attention's (of the masks)."""
         from trainer.models.attention import segment_positions, segment_starts
 
         device = rope_cache.device
@@ -123,34 +129,43 @@ class ContextParallel:
             segments = torch.cumsum(starts, dim=1, dtype=torch.int32)  # [batch, seq]: a segment's number
             if rope_restart:
                 rope = rope_cache[segment_positions(starts)[:, index]]  # [batch, local, head_dim // 2, 2]
-        return rope, ContextParallelMask(self, seq_len, index, segments)
+        return rope, ContextParallelMask(self, seq_len, index, segments, dtype)
 
 
-@dataclass
 class ContextParallelMask:
     """What every attention layer of one forward needs under CP: the global positions of the local tokens
-    and, for ``block_causal``, each token's segment over the whole sequence. ``attention()`` hands its
-    queries, keys and values to :meth:`attend`."""
+    (``index``, ``[local]``) and, for ``block_causal``, each token's segment over the whole sequence
+    (``segments``, ``[batch, seq]`` segment numbers in sequence order; None: causal), and the mask built
+    from them in the attention's ``dtype`` (additive: attention.additive_mask). ``attention()`` hands its
+    queries, keys and values to :meth:`attend`.
 
-    cp: ContextParallel
-    seq_len: int
-    index: torch.Tensor  # [local]: global positions of the local tokens
-    segments: torch.Tensor | None  # [batch, seq] segment numbers in sequence order; None: causal
+    A plain class, not a dataclass: FSDP rebuilds the dataclasses among a block's inputs (to cast their
+    tensors), which would build the mask again in every block and keep each copy for backward."""
 
-    def __post_init__(self):
-        device = self.index.device
+    def __init__(self, cp: ContextParallel, seq_len: int, index: torch.Tensor, segments: torch.Tensor | None,
+                 dtype: torch.dtype = torch.float32):
+        self.cp, self.seq_len, self.index, self.segments, self.dtype = cp, seq_len, index, segments, dtype
+        device = index.device
         self.gathered = gathered_index(self.seq_len, self.cp.degree, device)  # in order -> gathered
         self.order = torch.argsort(self.gathered)  # gathered -> in order
         keys = torch.arange(self.seq_len, device=device)
-        if self.cp.method == "allgather":
+        self.flash_ops = None
+        if self.cp.method == "allgather" and self.segments is None and device.type == "cpu":
+            # Causal on CPU: no mask at all. Each local chunk attends the keys before it in full and itself
+            # causally (:class:`_CausalChunks`), so the keys after it cost nothing: every rank does 1 / cp of
+            # the causal work, where a dense mask would make it compute (and save) local x sequence scores.
+            self.flash_ops = torch_compat.cpu_flash_attention_ops()
+            self.mask = None
+        elif self.cp.method == "allgather":
             # Local queries (rows, at their global positions) over the whole sequence in order (columns).
             mask = (self.index[:, None] >= keys[None, :])[None, None]
             if self.segments is not None:
                 mask = mask & (self.segments[:, self.index, None] == self.segments[:, None, :])[:, None]
-            self.mask = mask
+            self.mask = additive_mask(mask, self.dtype)
         elif self.segments is not None:  # alltoall: the whole sequence in order on both sides
             same = self.segments[:, :, None] == self.segments[:, None, :]
-            self.mask = (same & torch.ones(self.seq_len, self.seq_len, dtype=torch.bool, device=device).tril())[:, None]
+            causal = torch.ones(self.seq_len, self.seq_len, dtype=torch.bool, device=device).tril()
+            self.mask = additive_mask((same & causal)[:, None], self.dtype)
         else:
             self.mask = None  # alltoall, causal: SDPA's is_causal over the sequence in order
 
@@ -172,6 +187,10 @@ class ContextParallelMask:
         # Keys and values in one collective; its backward returns each rank the gradient of its own share.
         parts = _GatherShards.apply(torch.stack([k, v]), self.cp.group, self.cp.degree)  # [cp, 2, b, h, local, d]
         kv = parts.permute(1, 2, 3, 0, 4, 5).flatten(3, 4).index_select(3, self.order)  # [2, b, h, seq, d]
+        if self.flash_ops is not None:
+            degree, rank = self.cp.degree, self.cp.rank
+            return _CausalChunks.apply(q, kv[0], kv[1], (rank, 2 * degree - 1 - rank), self.seq_len // (2 * degree),
+                                       self.flash_ops)
         return self._sdpa(q, kv[0], kv[1], self.mask)
 
     def _alltoall(self, q, k, v):
@@ -220,6 +239,59 @@ class _GatherShards(torch.autograd.Function):
         received = torch.empty_like(grad, memory_format=torch.contiguous_format)
         dist.all_to_all_single(received, grad.contiguous(), group=ctx.group)
         return received.sum(0), None, None
+
+
+class _CausalChunks(torch.autograd.Function):
+    """Causal attention of this rank's query chunks over the whole sequence's keys and values (in order) without
+    a mask: query chunk ``i`` (global chunk ``chunks[i]`` of ``size`` tokens) attends the keys before its chunk
+    in full and its own chunk causally, as two flash-attention calls merged by their log-sum-exp; the keys
+    after it are not computed at all. Backward runs the flash backward of each part with the merged output
+    and log-sum-exp (which give each part its share of the softmax). ``ops``: the forward and backward flash
+    kernels (:func:`trainer.torch_compat.cpu_flash_attention_ops`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, chunks: tuple[int, ...], size: int, ops):
+        forward_op, _ = ops
+        rep = q.shape[1] // k.shape[1]
+        kr, vr = (t.repeat_interleave(rep, dim=1) if rep > 1 else t for t in (k, v))
+        outs, lses = [], []
+        for i, g in enumerate(chunks):
+            qi = q[:, :, i * size:(i + 1) * size]
+            out, lse = forward_op(qi, kr[:, :, g * size:(g + 1) * size], vr[:, :, g * size:(g + 1) * size], 0.0, True)
+            if g > 0:  # the keys before the chunk, all visible
+                out_p, lse_p = forward_op(qi, kr[:, :, :g * size], vr[:, :, :g * size], 0.0, False)
+                merged = torch.logaddexp(lse_p, lse)
+                out = (out_p.float() * (lse_p - merged).exp().unsqueeze(-1)
+                       + out.float() * (lse - merged).exp().unsqueeze(-1)).to(q.dtype)
+                lse = merged
+            outs.append(out)
+            lses.append(lse)
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.chunks, ctx.size, ctx.ops = chunks, size, ops
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        _, backward_op = ctx.ops
+        size, rep = ctx.size, q.shape[1] // k.shape[1]
+        kr, vr = (t.repeat_interleave(rep, dim=1) if rep > 1 else t for t in (k, v))
+        grad = grad.contiguous()
+        dq = torch.zeros_like(q)
+        dk, dv = torch.zeros_like(kr), torch.zeros_like(vr)
+        for i, g in enumerate(ctx.chunks):
+            rows = slice(i * size, (i + 1) * size)
+            parts = [(slice(g * size, (g + 1) * size), True)] + ([(slice(0, g * size), False)] if g > 0 else [])
+            for keys, causal in parts:
+                dqi, dki, dvi = backward_op(grad[:, :, rows], q[:, :, rows], kr[:, :, keys], vr[:, :, keys],
+                                            out[:, :, rows], lse[:, :, rows], 0.0, causal)
+                dq[:, :, rows] += dqi
+                dk[:, :, keys] += dki
+                dv[:, :, keys] += dvi
+        if rep > 1:  # each key/value head served ``rep`` query heads
+            dk, dv = (t.unflatten(1, (k.shape[1], rep)).sum(2) for t in (dk, dv))
+        return dq, dk, dv, None, None, None
 
 
 class _AllToAll(torch.autograd.Function):

@@ -438,12 +438,15 @@ class Transformer(nn.Module):
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cp = self.context_parallel
+        # The dtype attention runs in (its masks are built in it once per forward).
+        device_type = h.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else h.dtype
         if input_pos is None and cp is not None:
             # Context parallel: h holds this rank's tokens of each sequence (trainer/parallel/context.py).
             block_causal = self.args.attn_mask_type == "block_causal"
             rope, mask = cp.model_inputs(self.rope_cache, h.shape[1] * cp.sequence_shards, positions,
                                          block_causal=block_causal,
-                                         rope_restart=block_causal and self.args.rope_per_document)
+                                         rope_restart=block_causal and self.args.rope_per_document, dtype=dtype)
         elif input_pos is None:
             seqlen = h.shape[1]
             if seqlen > self.rope_cache.shape[0]:
@@ -452,7 +455,7 @@ class Transformer(nn.Module):
                 )
             rope, mask = self.rope_cache, None
             if positions is not None and self.args.attn_mask_type == "block_causal":
-                mask = document_mask(positions, rope_restart=self.args.rope_per_document)
+                mask = document_mask(positions, rope_restart=self.args.rope_per_document, dtype=dtype)
                 if mask.rope_positions is not None:
                     rope = self.rope_cache[mask.rope_positions]  # [B, S, head_dim // 2, 2]: each token's rows
         else:

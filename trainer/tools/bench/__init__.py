@@ -1,6 +1,7 @@
 """``trainer bench``: performance benchmarks of the trainer itself.
 
-    trainer bench [overhead|data|data-files|checkpoint|staging|gpu|kernels|vs-torchtitan|integrity|eval|all]
+    trainer bench [overhead|data|data-files|checkpoint|staging|gpu|kernels|vs-torchtitan|integrity|eval|
+                   context-parallel|all]
                   [--json FILE] [--steps N|small] [--config FILE] [--section.key value ...]
 
 Suites (each prints rows of the table and fills one entry of the JSON results):
@@ -49,6 +50,10 @@ Suites (each prints rows of the table and fills one entry of the JSON results):
 * ``vs-torchtitan``: our trainer's steady step against torchtitan 0.2.2's at the same shape and settings,
   separate processes, interleaved (when torchtitan is importable; one line otherwise).
 * ``integrity``: checksum throughput, and what checksums add to a DCP save and to the check before a load.
+* ``context-parallel``: one sequence of ``--cp-seq-len`` tokens (8192) over 1, 2 and 4 context-parallel
+  ranks, causal and ``block_causal``, both rotate methods: step time against CP 1, and each rank's peak
+  tensor memory (torch's memory tracker over the real run) against ``trainer plan``'s estimate
+  (``context_parallel.py``).
 * ``eval``: ``trainer eval`` wall time on the same requests with 2 processes against 1 (the data-parallel
   split of the requests), and that both give the same scores (``eval.py``).
 
@@ -92,6 +97,7 @@ SUITES: dict[str, tuple[str, str, bool]] = {
     "kernels": ("trainer.tools.bench.kernels", "bench_kernels", False),
     "vs-torchtitan": ("trainer.tools.bench.vs_torchtitan", "bench_vs_torchtitan", False),
     "eval": ("trainer.tools.bench.eval", "bench_eval", False),
+    "context-parallel": ("trainer.tools.bench.context_parallel", "bench_context_parallel", False),
 }
 
 
@@ -110,6 +116,10 @@ def _internal(command: str, spec: dict) -> int:
             result = gpu_case(spec)
         except torch.OutOfMemoryError as e:
             result = {"error": f"out of memory: {str(e).splitlines()[0]}", "oom": True}
+    elif command == "_cp_rank":
+        from .context_parallel import rank_worker
+
+        result = rank_worker(spec)
     elif spec["role"] in ("ours", "torchtitan", "ours_losses", "torchtitan_losses"):
         from . import vs_torchtitan
 
@@ -124,10 +134,7 @@ def _internal(command: str, spec: dict) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] in (["_worker"], ["_gpu_case"]):  # internal: one contender or case in a fresh process
-        return _internal(argv[0], json.loads(argv[1]))
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trainer bench", allow_abbrev=False,
         description="Benchmarks of the trainer: framework overhead, data loader, checkpoint, GPU. Other "
@@ -158,7 +165,20 @@ def main(argv: list[str] | None = None) -> int:
                              "bf16 and float8, compile on and off) instead of --flavors/--variants/--seq-len")
     parser.add_argument("--seq-len", type=int, default=4096, help="gpu: sequence length (debug_gqa: at most 2048)")
     parser.add_argument("--max-local-batch", type=int, default=8, help="gpu: largest local batch tried")
-    parser.add_argument("--case-timeout", type=float, default=900, help="gpu: seconds per case")
+    parser.add_argument("--case-timeout", type=float, default=900,
+                        help="gpu: seconds per case; context-parallel: seconds per step of a case")
+    parser.add_argument("--cp-seq-len", type=int, default=8192, help="context-parallel: the sequence length")
+    parser.add_argument("--cp-warmup", type=int, default=1, help="context-parallel: untimed steps per case")
+    parser.add_argument("--cp-steps", type=int, default=3,
+                        help="context-parallel: timed steps per case at CP 1 and 2 (CP 4: one; its ranks share cores)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["_worker"], ["_gpu_case"], ["_cp_rank"]):  # internal: one contender or case in a fresh process
+        return _internal(argv[0], json.loads(argv[1]))
+    parser = _parser()
     args, overrides = parser.parse_known_args(argv)
     if args.steps != "small" and not args.steps.isdigit():
         parser.error("--steps takes a number or 'small'")

@@ -103,8 +103,9 @@ def _moe_summary(args) -> str | None:
 
 def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | None = None,
          usable_fraction: float = 0.9, max_local_batch: int | None = None, top: int = 10,
-         measured: list[dict] | None = None) -> dict[str, Any]:
-    """Everything ``trainer plan`` reports, as a JSON-able dict."""
+         measured: list[dict] | None = None, device: str = "cuda") -> dict[str, Any]:
+    """Everything ``trainer plan`` reports, as a JSON-able dict. ``device``: whose attention kernels the
+    estimate counts ("cuda", or "cpu": dense masks where CUDA runs FlexAttention)."""
     args, note = model_args_for_plan(config)
     seq_len = config.training.seq_len
     shape = Shape.from_args(args)
@@ -120,7 +121,7 @@ def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | No
     block_causal = config.model.attn_mask_type == "block_causal"
     configured = Layout(rep, shard, tp, pp, config.training.local_batch_size, seq_len, ac_name(config),
                         config.parallelism.pipeline_parallel_microbatch_size, cp=cp, cp_method=cp_method, ep=ep,
-                        block_causal=block_causal)
+                        block_causal=block_causal, device=device)
     optimizer = config.optimizer.name
     est = memory_estimate(shape, configured, compute_dtype=compute_dtype, cpu_offload=cpu_offload,
                           reshard_after_forward=config.parallelism.fsdp_reshard_after_forward, optimizer=optimizer)
@@ -130,7 +131,8 @@ def plan(config: JobConfig, ngpu: int, gpu: str = "H100", gpu_memory: float | No
                           global_batch=gb,
                           max_local_batch=max_local_batch or max(16, config.training.local_batch_size),
                           compute_dtype=compute_dtype, cpu_offload=cpu_offload, usable_fraction=usable_fraction,
-                          cp=cp, cp_method=cp_method, block_causal=block_causal, optimizer=optimizer, ep=ep)
+                          cp=cp, cp_method=cp_method, block_causal=block_causal, optimizer=optimizer, ep=ep,
+                          device=device)
 
     def layout_json(lay: Layout) -> dict:
         return dataclasses.asdict(lay) | {"describe": lay.describe()}
@@ -358,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ngpu", type=int, required=True)
     parser.add_argument("--gpu", default="H100", help=f"GPU model: {', '.join(GPU_MEMORY_GIB)}")
     parser.add_argument("--gpu-memory-gib", type=float, default=None, help="override the GPU's memory")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="whose attention kernels to count: cpu runs block_causal attention with a dense mask "
+                             "where cuda runs FlexAttention, and causal allgather CP without one")
     parser.add_argument("--usable-fraction", type=float, default=0.9)
     parser.add_argument("--max-local-batch", type=int, default=None)
     parser.add_argument("--top", type=int, default=10, help="candidate layouts to list")
@@ -372,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         validate(config)  # the rules without a world size; plan() resolves the degrees for --ngpu
         measured = load_measured(args.measured) if args.measured else None
         result = plan(config, args.ngpu, args.gpu, args.gpu_memory_gib, args.usable_fraction,
-                      args.max_local_batch, args.top, measured)
+                      args.max_local_batch, args.top, measured, args.device)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

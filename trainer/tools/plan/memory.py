@@ -49,6 +49,7 @@ micro-batch, ``P`` parameters held by this rank: matrices / tp (norms are replic
 * context parallel (``cp`` > 1): parameters, gradients and optimizer state are sharded over
   ``dp_shard x cp``; ``T`` counts the rank's ``seq_len / cp`` tokens of each sequence; the activations add
   what :func:`context_parallel_bytes` counts (the gathered keys/values of ``allgather``, the dense mask).
+  ``block_causal`` without CP adds a dense mask on CPU only (:func:`mask_bytes`).
 * total = the largest of three moments of a steady-state step (gradients are ``None`` until backward
   makes them), checked against ``trainer simulate`` (the real code on fake tensors, docs/performance.md):
   the loss's backward (every block's activations, the loss at its peak, no gradients yet, FSDP holding
@@ -218,6 +219,7 @@ class Layout:
     ep: int = 1  # expert parallel: the routed experts split over ep of the dp_shard ranks
     cp_method: str = "allgather"
     block_causal: bool = False
+    device: str = "cuda"  # whose attention kernels: "cuda" or "cpu" (they need different masks)
 
     @property
     def ngpu(self) -> int:
@@ -309,23 +311,34 @@ def layer_bytes_selective_op(s: Shape, p: Precision, tp: int = 1) -> float:
     return p.residual * s.dim / tp + kept / tp
 
 
+def mask_bytes(p: Precision, layout: Layout, sequences: int) -> float:
+    """The dense attention mask of a forward for ``sequences`` sequences (additive, in the compute dtype, built
+    once and saved by every block: trainer/models/attention.py). Without CP only ``block_causal`` on CPU
+    has one, ``seq x seq`` per sequence (CUDA runs FlexAttention, whose block mask is negligible). Under CP:
+    ``allgather``, ``local x seq`` (one per sequence with block_causal; causal: one for the batch on CUDA,
+    none on CPU, whose chunked kernel needs none); ``alltoall``, ``seq x seq`` per sequence with
+    block_causal, none when causal (SDPA's own causal kernel)."""
+    local, seq, c = layout.local_seq_len, layout.seq_len, p.compute
+    if layout.cp == 1:
+        return seq * seq * sequences * c if layout.block_causal and layout.device == "cpu" else 0.0
+    if layout.cp_method == "allgather":
+        if layout.block_causal:
+            return local * seq * sequences * c
+        return 0.0 if layout.device == "cpu" else local * seq * c
+    return seq * seq * sequences * c if layout.block_causal else 0.0
+
+
 def context_parallel_bytes(s: Shape, p: Precision, layout: Layout, layers: int, sequences: int) -> float:
     """What context parallelism adds to a rank's activations for ``sequences`` sequences: with ``allgather``
     each block not checkpointed saves the gathered keys and values of the whole sequence (the other ranks'
-    shares: ``(cp - 1) x local tokens x 2 kv x c``) for attention's backward; the dense attention mask
-    (bool, one byte an entry, shared by all blocks): ``local x seq`` (allgather; one for the batch when
-    causal, one per sequence with block_causal), ``seq x seq`` per sequence (alltoall with block_causal),
-    none (alltoall, causal: SDPA's own causal kernel)."""
-    cp = layout.cp
-    if cp == 1:
-        return 0.0
-    local, seq = layout.local_seq_len, layout.seq_len
+    shares: ``(cp - 1) x local tokens x 2 kv x c``) for attention's backward; and the dense attention mask
+    (:func:`mask_bytes`, which is all there is without CP)."""
+    local = layout.local_seq_len
     kept = layers - checkpointed_layers(layers, layout.ac) if layout.ac != "selective_op" else 0
+    kv = 0.0
     if layout.cp_method == "allgather":
-        kv = kept * (cp - 1) * sequences * local * 2 * p.compute * s.kv_dim / layout.tp
-        mask = local * seq * (sequences if layout.block_causal else 1)
-        return kv + mask
-    return seq * seq * sequences if layout.block_causal else 0.0
+        kv = kept * (layout.cp - 1) * sequences * local * 2 * p.compute * s.kv_dim / layout.tp
+    return kv + mask_bytes(p, layout, sequences)
 
 
 def expert_parallel_traffic(s: Shape, layout: Layout, compute_bytes: int) -> dict[str, float]:
@@ -568,7 +581,8 @@ def search_layouts(s: Shape, ngpu: int, *, seq_len: int, capacity_bytes: float, 
                    dp_replicate: int = 1, global_batch: int = -1, max_local_batch: int = 16,
                    compute_dtype: str = "bfloat16", cpu_offload: bool = False, usable_fraction: float = 0.9,
                    max_tp: int = 8, min_tokens: int = 4096, cp: int = 1, cp_method: str = "allgather",
-                   block_causal: bool = False, optimizer: str = "AdamW", ep: int = 1) -> list[dict]:
+                   block_causal: bool = False, optimizer: str = "AdamW", ep: int = 1,
+                   device: str = "cuda") -> list[dict]:
     """Every (tp, fsdp, ac, local batch) for ``ngpu`` GPUs with its estimate, fitting ones first, best first.
 
     Order among fitting layouts (a preference, not a throughput model): the smallest TP degree (TP costs
@@ -591,7 +605,7 @@ def search_layouts(s: Shape, ngpu: int, *, seq_len: int, capacity_bytes: float, 
             if global_batch <= 0 or global_batch % (lb * dp) == 0:
                 for ac in AC_MODES:
                     layout = Layout(dp_replicate, shard, tp, pp, lb, seq_len, ac, cp=cp, cp_method=cp_method,
-                                    block_causal=block_causal, ep=ep)
+                                    block_causal=block_causal, ep=ep, device=device)
                     est = memory_estimate(s, layout, compute_dtype=compute_dtype, cpu_offload=cpu_offload,
                                           optimizer=optimizer)
                     fits = est["total"] <= usable_fraction * capacity_bytes
