@@ -177,9 +177,30 @@ def test_lm_eval_options_and_results_fields(run, tmp_path, capsys):
         lm_logger.removeHandler(handler)
         lm_logger.setLevel(logging.INFO)
     assert any("context prompt" in r for r in records), records[:5]
-    config = json.loads((tmp_path / "out.json").read_text())["config"]
+    saved = json.loads((tmp_path / "out.json").read_text())
+    config = saved["config"]
     assert config["device"] == "cpu" and config["gen_kwargs"] == {"max_gen_toks": 3}
     assert config["batch_sizes"] == [4] and config["batch_size"] == "auto"
+    assert "pretty_env_info" in saved and "transformers_version" in saved  # lm-eval's description of the machine
+
+
+def test_in_training_evaluation_skips_the_machines_description(run, monkeypatch):
+    """[eval] keeps only the scores: lm-eval's add_env_info (torch's collect_env starting pip and lscpu, an
+    import of transformers) is left out of its call, and put back after it."""
+    import lm_eval.evaluator as evaluator
+
+    from torchtitan_ext.evaluation.lm import evaluate
+
+    def refuse(results):
+        raise AssertionError("add_env_info called")
+
+    monkeypatch.setattr(evaluator, "add_env_info", refuse)
+    lm = NativeLM(model=run["model"], tokenizer=run["tok"], batch_size=2)
+    results = evaluate(lm, ["tiny_mc"], include_path=str(TASKS_DIR), limit=2, environment=False)
+    assert "tiny_mc" in results["results"] and "pretty_env_info" not in results
+    assert evaluator.add_env_info is refuse
+    with pytest.raises(AssertionError, match="add_env_info called"):
+        evaluate(lm, ["tiny_mc"], include_path=str(TASKS_DIR), limit=2)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")

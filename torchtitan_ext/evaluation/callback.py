@@ -127,7 +127,7 @@ class LMEvalCallback(Callback):
             with _kept_random_state(), _every_rank_reports(), torch.no_grad():
                 results = evaluate(lm, list(cfg.tasks), include_path=cfg.include_path or None, limit=limit,
                                    num_fewshot=cfg.num_fewshot, batch_size=cfg.batch_size, seed=cfg.seed,
-                                   bootstrap_iters=cfg.bootstrap_iters)
+                                   bootstrap_iters=cfg.bootstrap_iters, environment=False)
         finally:
             for part, mode, cp in zip(parts, was_training, split):
                 part.train(mode)

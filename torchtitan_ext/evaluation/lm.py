@@ -457,6 +457,26 @@ def _working_dir(path: Path | None):
         os.chdir(old)
 
 
+@contextlib.contextmanager
+def _without_environment_info(skip: bool):
+    """lm-eval's ``simple_evaluate`` ends by adding the machine's description to its results
+    (``lm_eval.evaluator.add_env_info``: torch's ``collect_env``, which starts pip, lscpu and other programs,
+    and an import of transformers; 2 s on rank 0 of an idle machine, 10 s and more on a loaded one), with no
+    option to leave it out. With ``skip`` (the in-training evaluation, which keeps only the scores) that step
+    is replaced for the call; `trainer eval` keeps it (its results JSON is lm-eval's)."""
+    if not skip:
+        yield
+        return
+    import lm_eval.evaluator as evaluator
+
+    original = evaluator.add_env_info
+    evaluator.add_env_info = lambda results: None
+    try:
+        yield
+    finally:
+        evaluator.add_env_info = original
+
+
 _TASK_MANAGERS: dict[tuple[str | None, bool], Any] = {}
 
 
@@ -485,8 +505,10 @@ def evaluate(lm, tasks: list[str], *, include_path: str | None = None, limit: fl
              num_fewshot: int | None = None, batch_size: int | str | None = None,
              seed: int | list[int | None] = 1234, log_samples: bool = False,
              gen_kwargs: str | dict | None = None,
-             data_dir: str | Path | None = None, bootstrap_iters: int = 0, **options) -> dict:
-    """Run lm-eval's ``simple_evaluate`` on an LM object and return its results.
+             data_dir: str | Path | None = None, bootstrap_iters: int = 0, environment: bool = True,
+             **options) -> dict:
+    """Run lm-eval's ``simple_evaluate`` on an LM object and return its results (without the machine's
+    description when ``environment`` is False: :func:`_without_environment_info`).
 
     ``seed``: one value for lm-eval's four seeds, or [python, numpy, torch, fewshot]. ``options`` go to
     ``simple_evaluate`` as they are (``write_out``, ``evaluation_tracker``, ...). Task datasets given with
@@ -505,7 +527,7 @@ def evaluate(lm, tasks: list[str], *, include_path: str | None = None, limit: fl
     if workdir is not None and workdir.is_file():
         workdir = workdir.parent
     seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * 4
-    with _working_dir(workdir):
+    with _working_dir(workdir), _without_environment_info(not environment):
         results = simple_evaluate(
             model=lm, tasks=tasks, num_fewshot=num_fewshot, batch_size=batch_size, limit=limit,
             task_manager=task_manager, log_samples=log_samples, gen_kwargs=gen_kwargs, random_seed=seeds[0],
