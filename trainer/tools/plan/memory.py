@@ -273,11 +273,12 @@ class Precision:
     @classmethod
     def for_layout(cls, layout: Layout, compute_dtype: str) -> "Precision":
         fsdp = layout.dp * layout.cp > 1
+        fused = layout.device != "cpu"
         if compute_dtype == "float32":
-            return cls("float32", 4, 4, fsdp)
+            return cls("float32", 4, 4, fsdp, fused)
         if fsdp:
-            return cls("fsdp-bf16", 2, 2, True)  # FSDP casts parameters: the whole forward runs in bf16
-        return cls("autocast-bf16", 4, 2, False)  # fp32 parameters, autocast matmuls, fp32 residual stream
+            return cls("fsdp-bf16", 2, 2, True, fused)  # FSDP casts parameters: the whole forward runs in bf16
+        return cls("autocast-bf16", 4, 2, False, fused)  # fp32 parameters, autocast matmuls, fp32 residual stream
 
 
 # --------------------------------------------------------------------------------------------------
