@@ -27,7 +27,7 @@ RoPE rows of its tokens' global positions and a :class:`ContextParallelMask` (``
 token counts per rank, the mean of the local means is the mean over the sequence.
 
 The CUDA fast paths (torch's experimental ``context_parallel`` ring attention, FlexAttention block masks)
-are not used: on CUDA, and for ``block_causal`` everywhere, the masks are dense booleans for SDPA,
+are not used: on CUDA, and for ``block_causal`` everywhere, SDPA takes a dense additive mask,
 ``[local tokens x sequence]`` per sequence.
 """
 
@@ -148,7 +148,6 @@ class ContextParallelMask:
         device = index.device
         self.gathered = gathered_index(self.seq_len, self.cp.degree, device)  # in order -> gathered
         self.order = torch.argsort(self.gathered)  # gathered -> in order
-        keys = torch.arange(self.seq_len, device=device)
         self.flash_ops = None
         if self.cp.method == "allgather" and self.segments is None and device.type == "cpu":
             # Causal on CPU: no mask at all. Each local chunk attends the keys before it in full and itself
@@ -158,6 +157,7 @@ class ContextParallelMask:
             self.mask = None
         elif self.cp.method == "allgather":
             # Local queries (rows, at their global positions) over the whole sequence in order (columns).
+            keys = torch.arange(self.seq_len, device=device)
             mask = (self.index[:, None] >= keys[None, :])[None, None]
             if self.segments is not None:
                 mask = mask & (self.segments[:, self.index, None] == self.segments[:, None, :])[:, None]

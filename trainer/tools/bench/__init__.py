@@ -78,6 +78,8 @@ from typing import Any
 
 import torch
 
+from trainer.config import ConfigError
+
 from .common import DEFAULT_CONFIG, load_bench_config, machine_info
 from .gpu import GPU_FLAVORS, GPU_VARIANTS, MATRICES, _check_flavors, _run_case, bench_gpu, gpu_case  # noqa: F401
 from .report import TARGETS, format_table
@@ -210,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
                 results[suite]["seconds"] = time.perf_counter() - t0
                 if args.json:  # partial results survive a later failure
                     Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
+    except ConfigError as e:  # a suite's config (the file, its settings, the user's overrides) the trainer refuses
+        print(f"trainer bench: config error: {e}", file=sys.stderr)
+        return 2
     finally:
         from trainer.setup import close_process_group
 

@@ -50,6 +50,15 @@ def single_rank_env() -> None:
         raise SystemExit("trainer bench runs as a single process (WORLD_SIZE=1)")
 
 
+def child_env() -> dict[str, str]:
+    """The environment of a suite's own training or evaluation processes: one thread each (so N processes use
+    N cores), this checkout importable, quiet logging, and none of this process's own torchrun variables."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "LOGLEVEL": "WARNING"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
 def machine_info() -> dict[str, Any]:
     cpu = platform.processor()
     with contextlib.suppress(OSError):
@@ -95,10 +104,13 @@ def load_bench_config(args, overrides: list[str], extra: list[str], dump: str):
     return config
 
 
-def build_trainer(config):
+def build_trainer(config, single_rank: bool = True):
+    """The real Trainer for ``config``, its data iterator started; ``single_rank``: in a one-process group of its
+    own (else in the one torchrun's variables describe)."""
     from trainer.train import Trainer
 
-    single_rank_env()
+    if single_rank:
+        single_rank_env()
     with _quiet():
         trainer = Trainer(config)
     trainer.data_iter = iter(trainer.train_loader)

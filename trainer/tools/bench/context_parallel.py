@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .common import ROOT, _free_port, _quiet
+from .common import ROOT, _free_port, _quiet, child_env
 
 DEGREES = (1, 2, 4)
 MASKS = ("causal", "block_causal")
@@ -66,19 +66,15 @@ def rank_worker(spec: dict) -> dict[str, Any]:
     from trainer.config import load_config
     from trainer.config.validate import validate
     from trainer.tools.simulate.step import buckets
-    from trainer.train import Trainer
 
-    from .common import _NoObservability, close_trainer
+    from .common import _NoObservability, build_trainer, close_trainer, trainer_steps
 
     config = load_config(spec["argv"], env={})
     validate(config, int(os.environ["WORLD_SIZE"]))
-    with _quiet():
-        trainer = Trainer(config)
-    trainer.data_iter = iter(trainer.train_loader)
+    trainer = build_trainer(config, single_rank=False)
     obs, step, times = _NoObservability(), 1, []
     with _quiet():
-        for step in range(1, spec["warmup"] + 1):
-            trainer.run_step(step, obs)
+        trainer_steps(trainer, 1, spec["warmup"])
         for step in range(spec["warmup"] + 1, spec["warmup"] + spec["steps"] + 1):
             dist.barrier()
             t0 = time.perf_counter()
@@ -102,9 +98,7 @@ def rank_worker(spec: dict) -> dict[str, Any]:
 def _run_case(argv: list[str], nproc: int, out: Path, warmup: int, steps: int, timeout: float) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     spec = {"argv": argv, "out": str(out), "warmup": warmup, "steps": steps}
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "LOGLEVEL": "WARNING"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
+    env = child_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "-m", "trainer.tools.bench",
            "_cp_rank", json.dumps(spec)]
@@ -127,10 +121,17 @@ def bench_context_parallel(args, overrides: list[str], workdir: str) -> dict[str
     seq_len = 256 if small else args.cp_seq_len
     degrees = (1, 2) if small else DEGREES
     warmup, steps = (1, 1) if small else (args.cp_warmup, args.cp_steps)
-    rows, baseline = [], {}
-    for mask, cp, method in cases(degrees):
+    from trainer.config import load_config
+    from trainer.config.validate import validate
+
+    planned = []
+    for mask, cp, method in cases(degrees):  # every case's config checked before any runs (ConfigError: one line)
         name = f"{mask}_cp{cp}" + (f"_{method}" if method else "")
         argv = case_argv(args.config, Path(workdir) / "cp" / name / "run", seq_len, mask, cp, method, overrides)
+        validate(load_config(argv, env={}), cp)
+        planned.append((mask, cp, method, name, argv))
+    rows, baseline = [], {}
+    for mask, cp, method, name, argv in planned:
         ranks = _run_case(argv, cp, Path(workdir) / "cp" / name, warmup, steps if cp <= 2 or small else 1,
                           timeout=args.case_timeout * (steps + warmup + 2))
         each = [max(r["step_s"][i] for r in ranks) for i in range(len(ranks[0]["step_s"]))]  # the slowest rank's

@@ -14,14 +14,13 @@ The scores of the two must be identical (``same_scores``).
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from .common import ROOT, _free_port
+from .common import ROOT, _free_port, child_env
 
 SAMPLE = ROOT / "trainer" / "data" / "sample" / "shakespeare_train.jsonl"
 TASK = """task: bench_ppl
@@ -74,9 +73,7 @@ def bench_eval(args, overrides: list[str], workdir: str) -> dict[str, Any]:
     seq_len = "64" if small else "256"
     docs, chars, batch = (8, 200, 4) if small else (128, 2000, 8)
     repeats = 1 if small else max(1, args.checkpoint_repeats)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "LOGLEVEL": "WARNING"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
+    env = child_env()
     dump = work / "run"
     _run([sys.executable, "-m", "trainer.train", "--job.config_file", args.config, "--job.dump_folder", str(dump),
           "--training.steps", "1", "--training.seq_len", seq_len, "--training.local_batch_size", "2",
