@@ -87,8 +87,8 @@ def segment_positions(starts: torch.Tensor) -> torch.Tensor:
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """SDPA's float form of the boolean mask ``allowed``: 0 where a query may attend, -inf elsewhere, in the
     attention's dtype. Every block of a forward shares one mask; given a boolean one, SDPA converts it to this
-    form in each call and saves each copy for backward (a float mask as large as the scores per block), given
-    this form it saves the tensor itself."""
+    form in each call and saves each copy for backward (a float copy of the whole mask per block), given this
+    form it saves the tensor itself."""
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
