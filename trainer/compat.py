@@ -24,8 +24,6 @@ from trainer.models.llama.flavors import TORCHTITAN_FLAVORS
 
 logger = logging.getLogger("trainer")
 
-_NO_ETP = ("expert tensor parallel is not implemented: the mixture-of-experts blocks are not split by tensor "
-           "parallel; split the experts with expert_parallel_degree")
 _NO_MX = "MX (microscaling) quantisation is not implemented; model.converters takes quantize.linear.float8"
 
 # Key -> why it cannot take another value than torchtitan's default. The defaults are the JobConfig's.
@@ -47,7 +45,6 @@ REFUSED: dict[str, str] = {
     "parallelism.pipeline_parallel_schedule_csv": "schedules are chosen by name (pipeline_parallel_schedule)",
     "parallelism.pipeline_parallel_expert_parallel_overlap": "overlapping the pipeline's stages with the expert "
                                                              "exchange is not implemented",
-    "parallelism.expert_tensor_parallel_degree": _NO_ETP,
     "parallelism.expert_parallel_comm_backend": "the expert exchange is torch.distributed's all-to-all (DeepEP is "
                                                 "not here)",
     "checkpoint.enable_ft_dataloader_checkpoints": "with fault_tolerance.enable every replica group always saves "

@@ -244,13 +244,17 @@ def test_model_moe_keys_override_the_flavor_and_make_a_dense_flavor_moe():
     (["--model.moe.top_k", "2"], "model.moe.top_k is set but the model has no experts"),
     (["--model.flavor", "debug_moe", "--model.moe.top_k", "9"], "top_k must be in 1..num_experts (8)"),
     (["--model.flavor", "debug_moe", "--model.moe.aux_loss_coeff", "-1"], "must be >= 0"),
-    (["--model.flavor", "debug_moe", "--parallelism.tensor_parallel_degree", "2"], "does not split mixture"),
+    (["--model.flavor", "debug_moe", "--model.moe.hidden_dim", "99", "--parallelism.tensor_parallel_degree", "2"],
+     "must divide the experts' hidden size (99)"),
+    (["--model.flavor", "debug_moe", "--parallelism.tensor_parallel_degree", "2", "--model.converters",
+      "quantize.linear.float8"], "does not convert a mixture of experts' shared experts"),
     (["--model.flavor", "debug_moe", "--model.moe.aux_loss_coeff", "0.01",
       "--parallelism.context_parallel_degree", "2"], "per-sequence loss"),
     (["--model.flavor", "debug_moe", "--parallelism.expert_parallel_degree", "3"], "must divide the number of experts"),
     (["--model.flavor", "debug_moe", "--parallelism.expert_parallel_degree", "4"], "must divide data_parallel_shard"),
     (["--parallelism.expert_parallel_degree", "2"], "has none"),
-    (["--model.flavor", "debug_moe", "--parallelism.expert_tensor_parallel_degree", "2"], "not split by tensor"),
+    (["--model.flavor", "debug_moe", "--parallelism.expert_tensor_parallel_degree", "2"],
+     "expert_tensor_parallel_degree (2) must be 1 or tensor_parallel_degree (1)"),
     (["--model.flavor", "debug_moe", "--model.converters", "quantize.grouped_mm.float8",
       "--quantize.grouped_mm.float8.fqns", "experts"], 'quantize.grouped_mm.float8.fqns = ["experts"]'),
 ])
@@ -258,6 +262,20 @@ def test_config_refusals(args, message):
     config = load_config(["--job.config_file", "train_configs/debug_model.toml", *args])
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate(config, world_size=2)
+
+
+def test_expert_parallel_with_tensor_parallel_splits_the_experts_over_tp():
+    """With both, each rank's experts are split over the TP ranks (torchtitan's ETP = TP); its default ETP = 1,
+    which lends the TP ranks to expert parallel instead, is refused rather than run as the other layout."""
+    layout = ["--job.config_file", "train_configs/debug_model.toml", "--model.flavor", "debug_moe",
+              "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2"]
+    with pytest.raises(ConfigError, match=re.escape("expert_tensor_parallel_degree (1) must equal tensor_parallel")):
+        validate(load_config(layout), world_size=4)
+    validate(load_config([*layout, "--parallelism.expert_tensor_parallel_degree", "2"]), world_size=4)
+    with pytest.raises(ConfigError, match="expert parallel with both context and tensor parallel"):
+        validate(load_config([*layout, "--parallelism.expert_tensor_parallel_degree", "2", "--model.moe.aux_loss_coeff",
+                              "0", "--parallelism.context_parallel_degree", "2"]), world_size=8)
+    validate(load_config(layout[:-2]), world_size=2)  # TP alone splits the experts whatever ETP says
 
 
 def test_a_misspelt_choice_gets_a_suggestion():

@@ -87,6 +87,21 @@ def test_pipeline_fsdp_tp_stages():
     assert last["analytic"]["param_bytes"] - first["analytic"]["param_bytes"] == 4 * 4096 // 2
 
 
+def test_llama4_scout_shape_on_64_ranks_with_tensor_parallel():
+    """Llama 4 Scout's shape (2 of its 48 MoE blocks, the preset's full AC) on 64 ranks: FSDP 16 x TP 4, each
+    expert's hidden units and the shared expert split over the TP ranks, the router replicated. Parameter
+    shards to the byte, FLOPs (with the routed experts' recomputed w2), the TP and FSDP collectives, and trainer
+    plan's memory."""
+    config = load_config(["--job.config_file", str(ROOT / "train_configs" / "llama4_17bx16e.toml"),
+                          "--parallelism.tensor_parallel_degree", "4"], env={})
+    (row,) = simulate(config, 64, layers=2)["roles"]
+    _check_memory_and_flops(row)
+    comm = _collectives(row)
+    for key in [("all_gather", "dp_shard"), ("reduce_scatter", "dp_shard"), ("all_gather", "tp"),
+                ("reduce_scatter", "tp")]:
+        assert comm[key]["bytes"] == pytest.approx(comm[key]["analytic_bytes"], rel=0.01), key
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["--parallelism.tensor_parallel_degree", "3", "--parallelism.data_parallel_shard_degree", "2"],
      "must divide the number of attention heads"),

@@ -384,9 +384,9 @@ def check_experts(config, args: LlamaModelArgs) -> None:
     if args.moe is None:
         return
     p = config.parallelism
-    if p.tensor_parallel_degree > 1:
-        raise ConfigError("parallelism.tensor_parallel_degree > 1 does not split mixture-of-experts layers yet: set "
-                          "it to 1, and split the experts with parallelism.expert_parallel_degree")
+    tp = p.tensor_parallel_degree
+    if tp > 1:
+        check_expert_tensor_parallel(config, args, tp)
     if args.moe.aux_loss_coeff > 0 and p.context_parallel_degree > 1:
         raise ConfigError("model.moe.aux_loss_coeff is a per-sequence loss and context parallel splits the "
                           "sequences: set parallelism.context_parallel_degree = 1, or balance with "
@@ -394,6 +394,27 @@ def check_experts(config, args: LlamaModelArgs) -> None:
     if config.fault_tolerance.enable:
         raise ConfigError("fault_tolerance.enable with a mixture of experts is not supported yet (the replica groups "
                           "would move their expert biases apart): train without [fault_tolerance]")
+
+
+def check_expert_tensor_parallel(config, args: LlamaModelArgs, tp: int) -> None:
+    """Tensor parallel splits each expert's hidden units (and the shared experts') over the TP ranks."""
+    p = config.parallelism
+    hidden = args.expert_hidden_dim
+    if hidden % tp:
+        raise ConfigError(f"parallelism.tensor_parallel_degree ({tp}) must divide the experts' hidden size ({hidden}): "
+                          "tensor parallel splits each expert's hidden units over the TP ranks")
+    etp = p.expert_tensor_parallel_degree
+    if p.expert_parallel_degree > 1 and etp != tp:
+        raise ConfigError(f"parallelism.expert_tensor_parallel_degree ({etp}) must equal tensor_parallel_degree ({tp}) "
+                          "with expert parallel: each rank's experts are split over the TP ranks (borrowing TP ranks "
+                          "for expert parallel is not implemented)")
+    if p.expert_parallel_degree > 1 and p.context_parallel_degree > 1:
+        raise ConfigError("expert parallel with both context and tensor parallel is not supported yet (FSDP cannot "
+                          "lay the experts' shards over those three mesh dimensions): drop one of "
+                          "parallelism.expert_parallel_degree, context_parallel_degree, tensor_parallel_degree")
+    if "quantize.linear.float8" in config.model.converters:
+        raise ConfigError("quantize.linear.float8 with tensor parallel does not convert a mixture of experts' shared "
+                          "experts yet: drop the converter, or set parallelism.tensor_parallel_degree = 1")
 
 
 def check_paths(config) -> None:

@@ -46,7 +46,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from trainer.models.llama.args import MoEArgs
 from trainer.torch_compat import grouped_mm
@@ -67,7 +67,8 @@ class TokenChoiceRouter(nn.Module):
     def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(scores [N, E], weights [N, K], experts [N, K])`` for tokens ``x`` ``[N, dim]``."""
-        logits = self.gate(x).float()
+        w = self.gate.weight  # under tensor parallel a DTensor replicated over the TP ranks; x is local
+        logits = (F.linear(x, w.to_local()) if isinstance(w, DTensor) else self.gate(x)).float()
         scores = F.softmax(logits, dim=-1) if self.score_func == "softmax" else torch.sigmoid(logits)
         choice = scores if expert_bias is None else scores + expert_bias
         experts = torch.topk(choice, self.top_k, dim=-1).indices
@@ -115,6 +116,12 @@ def experts_kernel_note(args, device_type: str, compute_dtype: torch.dtype, comp
 
 def _local(w: torch.Tensor) -> torch.Tensor:
     return w.to_local() if isinstance(w, DTensor) else w
+
+
+def _sum_grad_over(t: torch.Tensor, mesh) -> torch.Tensor:
+    """``t`` unchanged; its gradient summed over ``mesh`` (the tensor-parallel ranks) in backward. Each TP rank
+    computes a part of the gradient of what enters its share of the experts' hidden units."""
+    return DTensor.from_local(t, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -185,10 +192,17 @@ class _AttachAuxLoss(torch.autograd.Function):
 class MoE(nn.Module):
     """Routed experts (plus optional shared experts) in place of a block's feed-forward; see the module doc.
 
-    ``expert_parallel`` (set by trainer/parallel/expert.py's ``apply_ep``): the exchange that takes each sorted
-    token copy to the rank holding its expert and back; None, every expert is here."""
+    ``expert_parallel`` (set by trainer/parallel/expert.py's ``shard_experts``): the exchange that takes each sorted
+    token copy to the rank holding its expert and back; None, every expert is here.
+
+    ``tensor_parallel`` (set by trainer/parallel/parallelize.py's ``apply_tp``): the TP mesh. The layer then
+    takes the whole (all-gathered) sequence of its TP group, routes it as every TP rank does, runs its share of
+    each expert's hidden units (and of the shared experts') and returns its partial sum of the output, which
+    the TP plan reduce-scatters back to sequence shards. In backward the input's gradient is reduce-scattered
+    (as a dense feed-forward's), and the routing weights' (one number per token copy) all-reduced."""
 
     expert_parallel = None
+    tensor_parallel = None
 
     def __init__(self, args: MoEArgs, dim: int, hidden_dim: int, shared_experts: nn.Module | None = None):
         super().__init__()
@@ -219,11 +233,18 @@ class MoE(nn.Module):
                 buffer.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tp = self.tensor_parallel
+        if tp is not None:
+            # The TP group's whole sequence (a DTensor replicated over it). Each TP rank's experts give a part of
+            # its gradient: summed as the input's all-gather is undone (a reduce-scatter, as for a dense
+            # feed-forward). The router's part, the same on every TP rank, enters that sum 1 / tp times.
+            x = x.to_local(grad_placements=[Partial()])
         bsz, seqlen, dim = x.shape
         flat = x.reshape(-1, dim)
-        scores, weights, experts = self.router(flat, self.expert_bias)
+        routed_input = flat if tp is None else _ScaleGrad.apply(flat, 1.0 / tp.size())
+        scores, weights, experts = self.router(routed_input, self.expert_bias)
         routed, counts, keep = self._routed(flat, weights, experts.flatten())
-        result = routed if self.shared_experts is None else self.shared_experts(flat) + routed
+        result = routed if self.shared_experts is None else self._shared(flat) + routed
         result = result.view(bsz, seqlen, dim)
         if torch.is_grad_enabled():  # training: count, and train the auxiliary loss
             with torch.no_grad():
@@ -249,6 +270,8 @@ class MoE(nn.Module):
         if keep is not None:  # a dropped copy's weight is 0: before the experts its input is 0, and so its output
             sorted_weights = sorted_weights * keep
         rows = flat[order // self.top_k]
+        if self.tensor_parallel is not None:  # each TP rank's share of the experts gives part of their gradient
+            sorted_weights = _sum_grad_over(sorted_weights, self.tensor_parallel)
         if self.args.score_before_experts:
             rows = (rows.float() * sorted_weights[:, None]).to(flat.dtype)
         ep = self.expert_parallel
@@ -262,6 +285,15 @@ class MoE(nn.Module):
         unsorted = torch.empty_like(out)
         unsorted[order] = out
         return unsorted.view(-1, self.top_k, flat.shape[1]).sum(dim=1), counts, keep
+
+    def _shared(self, flat: torch.Tensor) -> torch.Tensor:
+        """The shared experts' output; under tensor parallel this rank's partial sum of it (its share of their
+        hidden units: ``w1``/``w3`` rows, ``w2`` columns)."""
+        shared = self.shared_experts
+        if self.tensor_parallel is None:
+            return shared(flat)
+        w1, w2, w3 = (_local(linear.weight) for linear in (shared.w1, shared.w2, shared.w3))
+        return F.linear(F.silu(F.linear(flat, w1)) * F.linear(flat, w3), w2)
 
     def _within_capacity(self, sorted_slots: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """For each sorted copy: whether it is among the first ``capacity`` copies of its expert."""

@@ -75,7 +75,10 @@ class Parallelism:
     the number of experts); FSDP then shards each rank's experts over the dp_shard / degree ranks holding the
     same ones. See docs/moe.md."""
     expert_tensor_parallel_degree: int = 1
-    """Refused unless 1: expert tensor parallel is not implemented (MoE blocks are not split by TP)."""
+    """Tensor-parallel ranks each routed expert is split over under expert parallel: 1 or tensor_parallel_degree,
+    and with both expert and tensor parallel it must be tensor_parallel_degree (each rank's experts split on their
+    hidden units over the TP ranks, as torchtitan's ETP = TP; borrowing the TP ranks for expert parallel, its ETP = 1,
+    is not implemented). Without expert parallel, tensor parallel always splits the experts. See docs/moe.md."""
     expert_parallel_comm_backend: Literal["standard", "deepep"] = "standard"
     """Refused unless "standard" (torch.distributed's all-to-all; DeepEP is not here)."""
 
@@ -255,6 +258,10 @@ def check_layout(config, world_size: int) -> int:
     if tp > 1 and args.ffn_hidden_dim % tp:
         raise ConfigError(f"parallelism.tensor_parallel_degree ({tp}) must divide the SwiGLU hidden size "
                           f"({args.ffn_hidden_dim})")
+    etp = config.parallelism.expert_tensor_parallel_degree
+    if etp not in (1, tp):
+        raise ConfigError(f"parallelism.expert_tensor_parallel_degree ({etp}) must be 1 or tensor_parallel_degree "
+                          f"({tp})")
     check_context_parallel(config, args, tp)
     check_expert_parallel(config, args, shard)
     if pp > 1 and args.tie_word_embeddings:

@@ -80,9 +80,11 @@ class ParallelDims:
             self.fsdp_mesh = self._with_replicas(mesh, "dp_shard_cp" if self.cp > 1 else "dp_shard")
         # Expert parallel: the ep ranks, and the mesh FSDP shards each rank's experts over (the ranks that hold
         # the same experts: efsdp x cp, with dp_replicate as HSDP's outer dimension; one rank is a mesh too).
-        self.ep_mesh = self.expert_fsdp_mesh = None
+        self.ep_mesh = self.expert_fsdp_mesh = self.ep_tp_mesh = None
         if self.ep > 1:
             self.ep_mesh = mesh["ep"]
+            if self.tp > 1:  # experts split on both their expert and hidden dimensions
+                self.ep_tp_mesh = mesh["ep", "tp"]
             if self.cp > 1:
                 flatten_mesh(mesh["efsdp", "cp"], "efsdp_cp")
             self.expert_fsdp_mesh = self._with_replicas(mesh, "efsdp_cp" if self.cp > 1 else "efsdp")

@@ -92,9 +92,15 @@ class ExpertParallel:
         return _AllToAllV.apply(arrived, state.recv, state.send, self.group)
 
 
-def apply_ep(model: nn.Module, ep_mesh) -> None:
-    """Split the routed experts of every MoE layer of ``model`` (on the meta device) over ``ep_mesh``: their
-    weights become DTensors sharded on the expert dimension, and each layer gets its :class:`ExpertParallel`."""
+# The hidden dimension of each routed expert weight (``[experts, out, in]``): what tensor parallel splits.
+HIDDEN_DIM = {"w1": 1, "w3": 1, "w2": 2}
+
+
+def shard_experts(model: nn.Module, ep_mesh=None, tp_mesh=None, ep_tp_mesh=None) -> None:
+    """Split the routed experts of every MoE layer of ``model`` (on the meta device): over the ``ep_mesh`` ranks
+    on the expert dimension (expert parallel), over the ``tp_mesh`` ranks on the hidden one (tensor parallel:
+    ``w1``/``w3`` rows, ``w2`` columns), or both on ``ep_tp_mesh``. Their weights become DTensors, and under
+    expert parallel each layer gets its :class:`ExpertParallel`."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from trainer.models.moe import moe_layers
@@ -102,7 +108,14 @@ def apply_ep(model: nn.Module, ep_mesh) -> None:
     for layer in moe_layers(model):
         experts = layer.experts
         for name, param in list(experts.named_parameters(recurse=False)):
-            experts.register_parameter(name, nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)])))
+            hidden = Shard(HIDDEN_DIM[name])
+            if ep_mesh is not None and tp_mesh is not None:
+                mesh, placements = ep_tp_mesh, [Shard(0), hidden]
+            else:
+                mesh, placements = (ep_mesh, [Shard(0)]) if ep_mesh is not None else (tp_mesh, [hidden])
+            experts.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, placements)))
+        if ep_mesh is None:
+            continue
         layer.expert_parallel = ExpertParallel(ep_mesh.get_group(), ep_mesh.size(), ep_mesh.get_local_rank())
         # Each expert's gradient sums the contributions of the tokens of all ep ranks, and FSDP averages it over
         # the dp_shard / ep ranks that hold the same expert: 1 / ep makes that the average over all of dp_shard.

@@ -17,10 +17,11 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -51,10 +52,10 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, config: 
             if not config.compile.enable or mesh.device_type != "cuda":
                 raise ConfigError("parallelism.enable_async_tensor_parallel needs compile.enable and GPUs")
             enable_async_tensor_parallel()
-    if dims.ep > 1:
-        from trainer.parallel.expert import apply_ep
+    if dims.ep > 1 or dims.tp > 1:
+        from trainer.parallel.expert import shard_experts
 
-        apply_ep(model, dims.ep_mesh)
+        shard_experts(model, dims.ep_mesh, mesh["tp"] if dims.tp > 1 else None, dims.ep_tp_mesh)
     if config.activation_checkpoint.mode != "none":
         apply_ac(model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option,
                  config.activation_checkpoint)
@@ -121,6 +122,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, floa
         )
     if top:
         parallelize_module(model, tp_mesh, top)
+    if "tok_embeddings" in top:
+        model.tok_embeddings.register_forward_hook(_detach_view)
     if _tied(model):
         # Each module got its own sharded copy; both are Shard(0) over the vocabulary (row-wise embedding,
         # column-wise output), so the output layer takes the embedding's DTensor and the tie holds.
@@ -137,12 +140,45 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, floa
             "attention.wv": colwise(),
             "attention.wo": rowwise(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
-            "feed_forward": prepare_input(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": colwise(),
-            "feed_forward.w2": rowwise(output_layouts=Shard(1)),
-            "feed_forward.w3": colwise(),
         }
+        if getattr(block, "moe_enabled", False):
+            _tp_moe(block.moe, plan, tp_mesh)
+        else:
+            plan.update({
+                "feed_forward": prepare_input(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": colwise(),
+                "feed_forward.w2": rowwise(output_layouts=Shard(1)),
+                "feed_forward.w3": colwise(),
+            })
         parallelize_module(block, tp_mesh, plan)
+
+
+def _detach_view(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+    """The embedding's output as a tensor of its own instead of a view of the DTensor's local shard. A compiled
+    first block given that view sends its gradient past the DTensor's ``to_local`` (the backward then fails
+    with "'Tensor' object has no attribute '_local_tensor'"); a copy of ``batch x seq / tp x dim`` avoids it."""
+    return output.clone()
+
+
+def _tp_moe(moe: nn.Module, plan: dict, tp_mesh: DeviceMesh) -> None:
+    """Tensor parallel for a block's mixture of experts (trainer/models/moe.py runs it on local tensors): the
+    layer takes its TP group's whole sequence (all-gathered) and its partial output is reduce-scattered back to
+    sequence shards; the router is replicated, the shared experts split as the dense feed-forward is (the
+    routed experts: trainer/parallel/expert.py's ``shard_experts``)."""
+    plan["moe"] = PrepareModuleInputOutput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+        output_layouts=(Partial(),), desired_output_layouts=(Shard(1),), use_local_output=True)
+    _distribute(moe.router.gate, "weight", tp_mesh, Replicate())
+    if moe.shared_experts is not None:
+        for name, dim in (("w1", 0), ("w3", 0), ("w2", 1)):
+            _distribute(getattr(moe.shared_experts, name), "weight", tp_mesh, Shard(dim))
+    moe.tensor_parallel = tp_mesh
+
+
+def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placement) -> None:
+    from torch.distributed.tensor import distribute_tensor
+
+    module.register_parameter(name, nn.Parameter(distribute_tensor(getattr(module, name), mesh, [placement])))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -170,12 +170,19 @@ class Shape:
     @property
     def ffn_activation(self) -> float:
         """Per token, the hidden width whose activations a feed-forward saves, averaged over the blocks: a dense
-        block's ``ffn``; an MoE block's ``top_k`` experts and its shared experts, plus its routed copies of
-        the token (in and out, ``2 top_k dim``) and the float32 router scores (``2 experts``, as ``4c`` units)."""
+        block's ``ffn``; an MoE block's ``top_k`` experts and its shared experts (tensor parallel splits both;
+        the routing's own tensors are :attr:`routing_activation`)."""
         if not self.moe_layers:
             return self.ffn
-        moe = self.top_k * self.expert_ffn + self.shared_ffn + (2 * self.top_k * self.dim + 2 * self.experts) / 4
+        moe = self.top_k * self.expert_ffn + self.shared_ffn
         return ((self.n_layers - self.moe_layers) * self.ffn + self.moe_layers * moe) / self.n_layers
+
+    @property
+    def routing_activation(self) -> float:
+        """Per token, averaged over the blocks, in the same ``4c`` units: an MoE block's routed copies of the
+        token (in and out, ``2 top_k dim``) and the float32 router scores (``2 experts``). Tensor parallel does
+        not split them: every TP rank routes its group's whole sequence (trainer/models/moe.py)."""
+        return self.moe_layers * (2 * self.top_k * self.dim + 2 * self.experts) / 4 / self.n_layers
 
     @property
     def layer_norms(self) -> int:
@@ -302,14 +309,14 @@ def layer_bytes(s: Shape, p: Precision, tp: int = 1) -> float:
     c = p.compute
     attention = 2 * c * s.dim + 2 * c * s.kv_dim + 4 * s.n_heads  # q, SDPA output; k, v; fp32 logsumexp
     mlp = 4 * c * s.ffn_activation
-    return norm_bytes(s, p, 3, tp) + norm_bytes(s, p, 2, tp) + (attention + mlp) / tp
+    return norm_bytes(s, p, 3, tp) + norm_bytes(s, p, 2, tp) + (attention + mlp) / tp + 4 * c * s.routing_activation
 
 
 def layer_bytes_selective_op(s: Shape, p: Precision, tp: int = 1) -> float:
     """Per token, one block under selective "op" AC: block input + wq, wv, w1, w2 outputs + SDPA outputs."""
     c = p.compute
     kept = c * (s.dim + s.kv_dim + s.ffn_activation + s.dim + s.dim) + 4 * s.n_heads
-    return p.residual * s.dim / tp + kept / tp
+    return p.residual * s.dim / tp + kept / tp + c * s.routing_activation
 
 
 def mask_bytes(p: Precision, layout: Layout, sequences: int) -> float:
@@ -595,7 +602,7 @@ def search_layouts(s: Shape, ngpu: int, *, seq_len: int, capacity_bytes: float, 
     for tp in (1, 2, 4, 8):
         if tp > max_tp or ngpu % (tp * pp * dp_replicate * cp):
             continue
-        if s.n_heads % tp or (s.kv_dim // (s.dim // s.n_heads)) % tp or (tp > 1 and s.moe_layers):
+        if s.n_heads % tp or (s.kv_dim // (s.dim // s.n_heads)) % tp or (s.moe_layers and s.expert_ffn % tp):
             continue
         shard = ngpu // (tp * pp * dp_replicate * cp)
         if shard % ep:

@@ -19,8 +19,11 @@ from trainer.tools.plan.memory import Shape, memory_estimate, muon_exchange_byte
 # Linear layers and the rowwise-sharded embedding split dim 0 of their weight, rowwise Linear layers dim 1;
 # norms are replicated.
 TP_DIM0 = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "feed_forward.w1.weight",
-           "feed_forward.w3.weight", "output.weight", "tok_embeddings.weight")
-TP_DIM1 = ("attention.wo.weight", "feed_forward.w2.weight")
+           "feed_forward.w3.weight", "output.weight", "tok_embeddings.weight", "shared_experts.w1.weight",
+           "shared_experts.w3.weight")
+TP_DIM1 = ("attention.wo.weight", "feed_forward.w2.weight", "shared_experts.w2.weight", "moe.experts.w1",
+           "moe.experts.w3")
+TP_DIM2 = ("moe.experts.w2",)  # the routed experts ([experts, out, in]) split on their hidden units
 
 # The matmuls selective "op" checkpointing recomputes: a block runs wq, wk, wv, wo, w1, w3, w2 and the
 # policy in parallelize._op_policy saves every other matmul output (the 1st, 3rd, ...), so wk, wo and w3
@@ -51,10 +54,9 @@ def stage_of(n_layers: int, modules: list[str] | None) -> Stage:
 def local_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
     """A parameter's shape on one TP rank (the degrees divide the sharded dimensions)."""
     shape = list(shape)
-    if tp > 1 and name.endswith(TP_DIM0):
-        shape[0] //= tp
-    elif tp > 1 and name.endswith(TP_DIM1):
-        shape[1] //= tp
+    for dim, names in enumerate((TP_DIM0, TP_DIM1, TP_DIM2)):
+        if tp > 1 and name.endswith(names):
+            shape[dim] //= tp
     return tuple(shape)
 
 
@@ -209,7 +211,7 @@ def step_flops(s: Shape, stage: Stage, tokens: int, seq_len: int, tp: int, ac: s
     what torch's SDPA backward formula adds (it counts flash attention recomputing the scores: backward
     2.5x forward instead of 2x); ``ac_recompute`` is the forward work activation checkpointing repeats:
     a checkpointed block's forward up to w2 (torch's non-reentrant checkpoint stops recomputing once
-    backward has every tensor it needs, and w2's output is not one), or under selective "op" AC the
+    backward has every tensor it needs, and w2's output is not one; an MoE block's routed w2 is), or under selective "op" AC the
     matmuls it does not save."""
     h, kv, ffn = s.dim, s.kv_dim, s.ffn
     sizes = {"wq": h * h, "wk": h * kv, "wv": h * kv, "wo": h * h, "w1": h * ffn, "w3": h * ffn, "w2": h * ffn}
@@ -223,6 +225,9 @@ def step_flops(s: Shape, stage: Stage, tokens: int, seq_len: int, tp: int, ac: s
     elif ac != "none":
         recomputed = L if ac == "full" else math.ceil(L / int(ac.split("_", 1)[1]))
         recompute = recomputed * (layer_fwd - 2 * tokens * sizes["w2"] / tp + attn_fwd)
+        # An MoE block's routed experts' w2 is recomputed too: the unsorting of their outputs saves its index
+        # after it (the shared experts run last, so their w2 is not).
+        recompute += recomputed * s.moe_layers / s.n_layers * 2 * tokens * h * s.top_k * s.expert_ffn / tp
     else:
         recompute = 0.0
     flash = L * attn_fwd / 2
