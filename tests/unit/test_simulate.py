@@ -102,6 +102,27 @@ def test_llama4_scout_shape_on_64_ranks_with_tensor_parallel():
         assert comm[key]["bytes"] == pytest.approx(comm[key]["analytic_bytes"], rel=0.01), key
 
 
+def test_llama4_scout_shape_on_64_ranks_with_expert_parallel():
+    """Scout's shape (2 blocks) on 64 ranks: HSDP 2 x FSDP 32 with expert parallel 4 (each rank holds 4 of the
+    16 experts, sharded over the 8 ranks holding the same ones), the exchange sized for an even routing: the
+    parameter shards to the byte, the experts' own all-gather and reduce-scatter over those 8 ranks, the
+    replicas' all-reduce, and the token exchange (counts, copies out and back, forward and backward, again
+    for the recomputed blocks)."""
+    config = load_config(["--job.config_file", str(ROOT / "train_configs" / "llama4_17bx16e.toml"),
+                          "--parallelism.expert_parallel_degree", "4",
+                          "--parallelism.data_parallel_replicate_degree", "2"], env={})
+    report = simulate(config, 64, layers=2)
+    (row,) = report["roles"]
+    assert report["layout"] == "world 64: pp=1, dp_replicate=2, dp_shard=32, ep=4, tp=1"
+    _check_memory_and_flops(row)
+    comm = _collectives(row)
+    for key in [("all_gather", "dp_shard"), ("reduce_scatter", "dp_shard"), ("all_gather", "efsdp"),
+                ("reduce_scatter", "efsdp"), ("all_reduce", "dp_replicate"), ("all_to_all", "ep")]:
+        assert comm[key]["bytes"] == pytest.approx(comm[key]["analytic_bytes"], rel=0.01), key
+    assert (comm[("all_gather", "efsdp")]["group_size"], comm[("all_to_all", "ep")]["group_size"]) == (8, 4)
+    assert any("evenly routed" in note for note in report["notes"])
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["--parallelism.tensor_parallel_degree", "3", "--parallelism.data_parallel_shard_degree", "2"],
      "must divide the number of attention heads"),
@@ -112,8 +133,6 @@ def test_llama4_scout_shape_on_64_ranks_with_tensor_parallel():
     (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "4",
       "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--training.local_batch_size", "2"],
      "runs the single-stage pipeline schedules"),
-    (["--parallelism.expert_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "8",
-      "--model.moe.num_experts", "8"], "does not simulate expert parallel"),
 ])
 def test_layouts_out_of_reach_refuse_in_one_line(overrides, message, capsys):
     ngpu = {"3": "6", "8": "8"}.get(overrides[1], "8")

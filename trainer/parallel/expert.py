@@ -65,6 +65,8 @@ class ExpertParallel:
     group: object
     degree: int
     rank: int
+    # trainer simulate: fake tensors hold no counts, so every rank sends each the same share of its rows.
+    even_routing: bool = False
 
     @torch.compiler.disable  # eager under torch.compile: collectives with sizes read on the host
     def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Dispatched]:
@@ -74,6 +76,9 @@ class ExpertParallel:
         with torch.no_grad():
             received = torch.empty_like(counts)
             dist.all_to_all_single(received, counts.contiguous(), group=self.group)
+        if self.even_routing:
+            return self._dispatch_evenly(rows, local)
+        with torch.no_grad():
             received = received.view(self.degree, local)  # [sender, local expert]
             sizes = torch.stack([counts.view(self.degree, local).sum(1), received.sum(1)]).tolist()
             # Arrived grouped by sender, then by local expert: regroup by local expert, senders in order.
@@ -84,12 +89,23 @@ class ExpertParallel:
         arrived = _AllToAllV.apply(rows, send, recv, self.group)
         return arrived[order], received.sum(0), Dispatched(send, recv, order)
 
+    def _dispatch_evenly(self, rows: torch.Tensor, local: int) -> tuple[torch.Tensor, torch.Tensor, Dispatched]:
+        """:meth:`dispatch` for an evenly routed batch: ``rows / degree`` to each rank, as many from each."""
+        sizes = _even_split(rows.shape[0], self.degree)
+        arrived = _AllToAllV.apply(rows, sizes, sizes, self.group)
+        counts = torch.tensor(_even_split(arrived.shape[0], local), dtype=torch.int64, device=rows.device)
+        return arrived, counts, Dispatched(sizes, sizes, torch.arange(arrived.shape[0], device=rows.device))
+
     @torch.compiler.disable
     def combine(self, out: torch.Tensor, state: Dispatched) -> torch.Tensor:
         """The experts' outputs (local-expert order) back to their senders, in the order they were sent."""
         arrived = torch.empty_like(out)
         arrived[state.order] = out
         return _AllToAllV.apply(arrived, state.recv, state.send, self.group)
+
+
+def _even_split(n: int, parts: int) -> list[int]:
+    return [n // parts + (i < n % parts) for i in range(parts)]
 
 
 # The hidden dimension of each routed expert weight (``[experts, out, in]``): what tensor parallel splits.

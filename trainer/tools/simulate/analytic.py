@@ -63,15 +63,21 @@ def local_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
 def sharded_elements(param_shapes: dict[str, tuple[int, ...]], dims: ParallelDims) -> int:
     """Elements of this rank's parameter shards: each parameter's TP-local shape, split over the FSDP
     shards along dim 0 with FSDP2's padding (every shard holds ceil(dim0 / dp_shard) rows); routed experts
-    fewer than the shards along dim 1. (Expert parallel is not simulated.)"""
+    fewer than the shards along dim 1. Under expert parallel a rank's routed experts are ``1 / ep`` of them,
+    sharded over the ``dp_shard x cp / ep`` ranks that hold the same ones."""
     total = 0
     shard = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1  # FSDP shards over dp_shard x cp
     for name, shape in param_shapes.items():
-        local = local_shape(name, shape, dims.tp)
+        local = list(local_shape(name, shape, dims.tp))
+        routed = ".moe.experts." in name
+        over = shard
+        if routed and dims.ep > 1:
+            local[0] //= dims.ep
+            over = dims.dp_shard * dims.cp // dims.ep
         # A mixture of experts' routed weights ([experts, out, in]) with fewer experts than shards: FSDP shards
         # them on dim 1 instead (trainer/parallel/parallelize.py).
-        dim = 1 if ".moe.experts." in name and local[0] < shard else 0
-        total += math.ceil(local[dim] / shard) * math.prod(local) // local[dim]
+        dim = 1 if routed and local[0] < over else 0
+        total += math.ceil(local[dim] / over) * math.prod(local) // local[dim]
     return total
 
 
@@ -88,35 +94,70 @@ def _units(s: Shape, stage: Stage, tp: int) -> tuple[int, int]:
 
 
 def fsdp_collectives(s: Shape, dims: ParallelDims, stage: Stage, compute_bytes: int, reduce_bytes: int,
-                     reshard_after_forward: str) -> dict[tuple[str, str], float]:
+                     reshard_after_forward: str, last_moe: bool = False) -> dict[tuple[str, str], float]:
     """FSDP2/HSDP bytes of one micro-batch without pipelining (``apply_fsdp``'s units and resharding):
     every unit all-gathered in forward (compute dtype), again in backward unless it stayed gathered (by
     default: every block but the last, and the embeddings, are gathered again; the last block and
     [norm, output] stay gathered; "always" gathers everything again, "never" nothing), its gradient
     reduce-scattered once (reduce dtype) and, with HSDP, the reduced shard all-reduced over the replicas.
-    FSDP2's padding is not counted."""
+    Under expert parallel a block's routed experts are a unit of their own: ``1 / ep`` of them on this rank,
+    sharded over the ``dp_shard x cp / ep`` ranks holding the same ones. ``last_moe``: whether the last block
+    has an MoE (it stays gathered). FSDP2's padding is not counted."""
     if not dims.fsdp_enabled or dims.pp > 1:
         return {}
     block, root = _units(s, stage, dims.tp)
-    embedding = s.embedding // dims.tp if stage.first else 0
     layers = stage.layers
+    blocks = layers * block  # every block of the stage (an average times their number: their sum)
+    last = block
+    if s.moe_layers:  # the last block as it is, dense or MoE
+        ffn = s.moe_ffn_matrices if last_moe else 3 * s.dim * s.ffn
+        last = (s.attention_matrices + ffn) / dims.tp + s.layer_norms
+    # Expert parallel: the routed experts of each MoE block, on this rank, apart from the rest.
+    routed = 3 * s.dim * s.expert_ffn * s.experts / dims.tp if dims.ep > 1 else 0.0
+    moe_blocks = layers * s.moe_layers / s.n_layers if s.moe_layers else 0
+    experts_held = moe_blocks * routed / dims.ep
+    experts_last = routed / dims.ep if last_moe else 0.0
+    blocks -= moe_blocks * routed
+    last -= routed if last_moe else 0.0
+    embedding = s.embedding // dims.tp if stage.first else 0
+    held = blocks + root
     if reshard_after_forward == "always":
-        regathered = layers * block + root
+        regathered, experts_regathered = held, experts_held
     elif reshard_after_forward == "never":
-        regathered = 0
+        regathered = experts_regathered = 0
     else:
-        regathered = max(0, layers - 1) * block + embedding
-    held = layers * block + root
+        regathered, experts_regathered = blocks - last + embedding, experts_held - experts_last
     out: dict[tuple[str, str], float] = {}
     shard = dims.dp_shard * dims.cp  # context parallel: FSDP shards over the flattened dp_shard x cp
     shard_group = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
     if shard > 1:
-        gathered = held + regathered
-        out[("all_gather", shard_group)] = compute_bytes * gathered
+        out[("all_gather", shard_group)] = compute_bytes * (held + regathered)
         out[("reduce_scatter", shard_group)] = reduce_bytes * held
+    expert_shard = shard // dims.ep
+    if experts_held and expert_shard > 1:
+        group = "efsdp_cp" if dims.cp > 1 else "efsdp"
+        out[("all_gather", group)] = compute_bytes * (experts_held + experts_regathered)
+        out[("reduce_scatter", group)] = reduce_bytes * experts_held
     if dims.dp_replicate > 1:
-        out[("all_reduce", "dp_replicate")] = reduce_bytes * held / shard
+        out[("all_reduce", "dp_replicate")] = reduce_bytes * (held / shard + experts_held / expert_shard)
     return out
+
+
+def ep_collectives(s: Shape, dims: ParallelDims, stage: Stage, tokens: int, compute_bytes: int,
+                   ac: str) -> dict[tuple[str, str], float]:
+    """Expert-parallel bytes of one micro-batch (trainer/parallel/expert.py), evenly routed, as the simulator
+    counts them (each all-to-all's whole input, the share staying on the rank included): per MoE block the
+    token counts (``experts`` int64), the ``top_k x tokens x dim`` copies out and their outputs back, and in
+    backward their gradients both ways. A recomputed block repeats its forward's (its experts' outputs are
+    recomputed: see :func:`step_flops`)."""
+    if dims.ep == 1 or not s.moe_layers:
+        return {}
+    layers = stage.layers * s.moe_layers / s.n_layers
+    recomputed = 0 if ac in ("none", "selective_op") else layers if ac == "full" else \
+        math.ceil(stage.layers / int(ac.split("_", 1)[1])) * s.moe_layers / s.n_layers
+    forward = 2 * s.top_k * tokens * s.dim * compute_bytes + 8 * s.experts
+    backward = 2 * s.top_k * tokens * s.dim * compute_bytes
+    return {("all_to_all", "ep"): forward * (layers + recomputed) + backward * layers}
 
 
 def cp_collectives(s: Shape, dims: ParallelDims, stage: Stage, sequences: int, seq_len: int, compute_bytes: int,
@@ -249,7 +290,7 @@ def plan_memory(s: Shape, dims: ParallelDims, config, stage: Stage) -> dict:
     layout = PlanLayout(dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, t.local_batch_size, t.seq_len,
                         ac_name(config), p.pipeline_parallel_microbatch_size, cp=dims.cp,
                         cp_method=p.context_parallel_rotate_method,
-                        block_causal=config.model.attn_mask_type == "block_causal")
+                        block_causal=config.model.attn_mask_type == "block_causal", ep=dims.ep)
     compute = "float32" if t.mixed_precision_param == "float32" else "bfloat16"
     which = "first" if stage.first else "last" if stage.last else "middle"
     est = memory_estimate(s, layout, compute_dtype=compute, cpu_offload=t.enable_cpu_offload,

@@ -212,8 +212,10 @@ def analytic_for(config, args, layout, view) -> dict:
 
     ac = ac_name(config)
     comm = {}
-    comm.update(analytic.fsdp_collectives(s, dims, stage, c, r, config.parallelism.fsdp_reshard_after_forward))
+    comm.update(analytic.fsdp_collectives(s, dims, stage, c, r, config.parallelism.fsdp_reshard_after_forward,
+                                          last_moe=args.moe is not None and args.is_moe_layer(args.n_layers - 1)))
     comm.update(analytic.tp_collectives(s, dims, stage, tokens, c, ac))
+    comm.update(analytic.ep_collectives(s, dims, stage, tokens, c, ac))
     cp_sequences = t.local_batch_size if dims.pp == 1 else config.parallelism.pipeline_parallel_microbatch_size
     cp_comm = analytic.cp_collectives(s, dims, stage, cp_sequences, t.seq_len, c, ac,
                                       config.parallelism.context_parallel_rotate_method)
@@ -346,9 +348,8 @@ def simulate(config, ngpu: int, layers: int | None = None, ranks: list[int] | No
 
     config, notes = world.simulation_config(config)
     if config.parallelism.expert_parallel_degree > 1:
-        # Its exchange sizes are read on the host from the routing, which fake tensors do not have.
-        raise ConfigError("trainer simulate does not simulate expert parallel yet: simulate with "
-                          "parallelism.expert_parallel_degree = 1, and see `trainer plan` for what EP changes")
+        notes.append("expert parallel: the token exchange is sized for an evenly routed batch (the routing's "
+                     "values are not simulated)")
     args, note = model_args_for_plan(config)
     if note:
         notes.append(note)

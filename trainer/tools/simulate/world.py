@@ -180,6 +180,11 @@ def build_rank_view(config: JobConfig, args, layout: Layout, rank: int, mode) ->
     built = setup.build_model_parts(template, config, dims, mesh, device=SIM_DEVICE, compute_dtype=compute_dtype,
                               init_seed=None, materialize_in=lambda: mode)
     parts = built.parts
+    from trainer.models.moe import moe_layers
+
+    for layer in moe_layers(*parts):  # fake tensors hold no routing: the exchange takes even shares
+        if layer.expert_parallel is not None:
+            layer.expert_parallel.even_routing = True
     # A sharded parameter is a DTensor: its shape is the full one.
     shapes = {clean_fqn(n): tuple(p.shape) for part in parts for n, p in part.named_parameters()}
     with mode:
@@ -223,11 +228,14 @@ def group_labels(view: RankView) -> dict[str, tuple[str, int]]:
     for name in mesh.mesh_dim_names:
         group = mesh.get_group(name)
         labels[group.group_name] = (name, group.size())
-    # Flattened dimensions: dp (the loader's), and with context parallel dp_shard_cp (FSDP's) and dp_cp.
-    for attr, name in (("dp_mesh", "dp"), ("fsdp_mesh", "dp_shard_cp"), ("dp_cp_mesh", "dp_cp")):
+    # Flattened dimensions: FSDP's (dp_shard_cp with context parallel; under expert parallel dp_shard itself is
+    # flattened from efsdp x ep), dp (the loader's), dp_cp, and the experts' FSDP dimension with CP (efsdp_cp).
+    fsdp = "dp_shard_cp" if view.dims.cp > 1 else "dp_shard"
+    flattened = (("fsdp_mesh", fsdp), ("dp_mesh", "dp"), ("dp_cp_mesh", "dp_cp"), ("expert_fsdp_mesh", "efsdp_cp"))
+    for attr, name in flattened:
         flat = getattr(view.dims, attr, None)
-        if flat is not None and flat.ndim == 1:
-            group = flat.get_group()
+        if flat is not None:  # HSDP's meshes are (dp_replicate, shard): the shard dimension
+            group = flat.get_group(flat.ndim - 1)
             labels.setdefault(group.group_name, (name, group.size()))
     labels.setdefault(dist.group.WORLD.group_name, ("world", dist.get_world_size()))
     from trainer.optim.muon import GROUP_LABELS  # Muon's shard groups over several mesh dimensions
