@@ -1,4 +1,5 @@
-"""``trainer import``: a Hugging Face Llama or Mixtral folder -> a DCP seed checkpoint for continued pretraining.
+"""``trainer import``: a Hugging Face Llama, Mixtral or Llama 4 folder -> a DCP seed checkpoint for continued
+pretraining.
 
 The architecture comes from the folder's config.json alone (:func:`read_hf_args`, the reader that
 ``generate --hf`` and ``eval --hf`` use too): nothing is taken from a flavor, and a field this model
@@ -60,7 +61,10 @@ def _expected_shape(args, name: str) -> tuple[int, ...]:
     head, kv, dim, ffn = args.head_dim, args.num_kv_heads, args.dim, args.ffn_hidden_dim
     leaf = name.split(".", 2)[-1] if name.startswith("layers.") else name
     experts, hidden = (args.moe.num_experts, args.expert_hidden_dim) if args.moe is not None else (0, 0)
+    shared = hidden * args.moe.num_shared_experts if args.moe is not None else 0
     return {
+        "moe.shared_experts.w1.weight": (shared, dim), "moe.shared_experts.w3.weight": (shared, dim),
+        "moe.shared_experts.w2.weight": (dim, shared),
         "tok_embeddings.weight": (args.vocab_size, dim), "output.weight": (args.vocab_size, dim), "norm.weight": (dim,),
         "attention.wq.weight": (args.n_heads * head, dim), "attention.wk.weight": (kv * head, dim),
         "attention.wv.weight": (kv * head, dim), "attention.wo.weight": (dim, args.n_heads * head),
@@ -85,7 +89,7 @@ def _make_planner(loaders: dict):
 
 def import_hf(hf_folder: str | Path, output: str | Path, *, dtype: str = "fp32", overwrite: bool = False) -> Path:
     """Write ``<output>/checkpoint/step-0`` (model-only seed) and ``<output>/import.toml`` from a Hugging
-    Face Llama or Mixtral folder; returns the step folder."""
+    Face Llama, Mixtral or Llama 4 folder; returns the step folder."""
     import torch.distributed.checkpoint as dcp
 
     from trainer.checkpoint.layout import DEFAULT_FOLDER, FORMAT_VERSION, TMP_SUFFIX, commit, step_dirname
@@ -158,8 +162,9 @@ def import_toml(args, step_dir: Path, folder: Path) -> str:
     lines = [f"# {folder.resolve()} as imported by `trainer import`: add to your training config.", "[model]"]
     lines += [f"{k} = {_toml_value(v)}" for k, v in model.items()]
     if moe is not None:
-        lines += ["", "# Mixtral's routing, no load balancing: to add some, see docs/export_eval.md (Mixtral folders)",
-                  "[model.moe]"]
+        where = "docs/moe.md (Llama 4)" if args.moe.num_shared_experts else "docs/export_eval.md (Mixtral folders)"
+        which = "Llama 4's" if args.moe.num_shared_experts else "Mixtral's"
+        lines += ["", f"# {which} routing, no load balancing: to add some, see {where}", "[model.moe]"]
         lines += [f"{k} = {_toml_value(v)}" for k, v in moe.items()]
     lines += ["", "[checkpoint]", f"initial_load_path = {_toml_value(str(step_dir.resolve()))}", ""]
     return "\n".join(lines)
@@ -171,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(
         prog="trainer import",
-        description="Turn a Hugging Face Llama or Mixtral folder (config.json + safetensors) into a seed checkpoint "
+        description="Turn a Hugging Face Llama, Mixtral or Llama 4 folder (config.json + safetensors) into a seed "
+                    "checkpoint "
                     "(<output>/checkpoint/step-0) and print the [model] keys to continue pretraining with "
                     "(also written to <output>/import.toml).")
     parser.add_argument("--hf", required=True, help="the Hugging Face model folder")

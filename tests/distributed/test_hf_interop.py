@@ -9,9 +9,7 @@ reloaded by transformers.
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -19,15 +17,11 @@ import pytest
 import torch
 
 from tests.support.batches import Batches, spec
+from tests.support.hf import import_toml_args
 from tests.support.launch import DEBUG_CONFIG, read_metrics
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 STEPS = 5
 SEQ = 32
@@ -63,14 +57,6 @@ FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attentio
           "hidden_act", "attention_bias", "mlp_bias", "head_dim")
 
 
-def _toml_args(path: Path) -> list[str]:
-    """The keys of import.toml as command-line overrides (as if pasted into the training config)."""
-    out = []
-    for section, keys in tomllib.loads(path.read_text()).items():
-        out += [f"--{section}.{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in keys.items()]
-    return out
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Make, import and train the four models; returns {name: folders}."""
@@ -89,7 +75,7 @@ def runs(tmp_path_factory):
         model.save_pretrained(str(hf), **shard)
         seed = tmp / name / "import"
         assert import_main(["--hf", str(hf), "--output", str(seed)]) == 0
-        train_args = _toml_args(seed / "import.toml")
+        train_args = import_toml_args((seed / "import.toml").read_text())
         out[name] = {"hf": hf, "seed": seed, "batch": tmp / "runs" / f"hf_{name}_one.batch0.pt"}
         for layout, (extra, nproc) in LAYOUTS.items():
             run = spec(f"hf_{name}_{layout}", nproc, *BASE, *train_args, *extra, "--checkpoint.enable",

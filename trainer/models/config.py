@@ -137,6 +137,22 @@ class Model:
     """block_causal only: RoPE positions restart at 0 at every document (and at a sequence that starts inside
     a document), so a packed document gets the logits it gets alone. False (torchtitan's behaviour): positions
     run 0 .. seq_len-1 along the packed sequence."""
+    every_n_layers_nope: int = -1
+    """Llama 4's attention (torchtitan's name): block i has no positional encoding (NoPE) when (i + 1) is a
+    multiple of it. 0: every block rotates; -1: the flavor's (none has NoPE blocks). docs/moe.md, "Llama 4"."""
+    fixed_attn_block_size: int = -1
+    """Llama 4's chunked attention (torchtitan's name; Hugging Face's attention_chunk_size): the RoPE blocks
+    attend only within chunks of this many positions. 0: the whole sequence; -1: the flavor's."""
+    use_qk_norm: bool | None = None
+    """Llama 4: the RoPE blocks L2-normalise each head of q and k after the rotation (no weight). Unset: the
+    flavor's (off)."""
+    attn_temperature_tuning: bool | None = None
+    """Llama 4: the NoPE blocks scale the query at position p by 1 + attn_scale * log(1 + floor((p + 1) /
+    floor_scale)), which is 1 below position floor_scale - 1. Unset: the flavor's (off)."""
+    floor_scale: int = -1
+    """Llama 4's temperature tuning: its floor_scale. -1: the flavor's (8192)."""
+    attn_scale: float | None = None
+    """Llama 4's temperature tuning: its attn_scale. Unset: the flavor's (0.1)."""
     moe: ModelMoE = field(default_factory=ModelMoE)
     converters: list[str] = field(default_factory=list)
     """Model transformations applied before parallelization, e.g. ["quantize.linear.float8"]."""
@@ -155,7 +171,10 @@ CUSTOM_FLAVOR = "custom"
 
 # [model] keys that override a flavor's field of the same name (-1 / None: keep the flavor's).
 SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "multiple_of", "ffn_dim_multiplier",
-              "rope_theta", "norm_eps", "tie_word_embeddings", "max_seq_len")
+              "rope_theta", "norm_eps", "tie_word_embeddings", "max_seq_len", "every_n_layers_nope",
+              "fixed_attn_block_size", "use_qk_norm", "attn_temperature_tuning", "floor_scale", "attn_scale")
+# Shape keys whose 0 turns the feature off (their LlamaModelArgs value None).
+_OFF_AT_ZERO_SHAPE = ("every_n_layers_nope", "fixed_attn_block_size")
 
 # "<flavor>_<N>l": the flavor's shapes with N layers (e.g. llama3_8b_4l), for benchmarks and tests of a big
 # model's layers on a small machine.
@@ -219,9 +238,14 @@ def config_model_args(config) -> LlamaModelArgs:
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "multiple_of", "max_seq_len"):
         if key in overrides and overrides[key] <= 0:
             raise ConfigError(f"model.{key} must be positive (or -1: the flavor's), got {overrides[key]}")
-    for key in ("ffn_dim_multiplier", "rope_theta", "norm_eps"):
+    for key in ("ffn_dim_multiplier", "rope_theta", "norm_eps", "attn_scale"):
         if key in overrides and overrides[key] <= 0:
             raise ConfigError(f"model.{key} must be > 0 (or unset: the flavor's), got {overrides[key]}")
+    for key in ("floor_scale", *_OFF_AT_ZERO_SHAPE):
+        if key in overrides and overrides[key] < 0:
+            raise ConfigError(f"model.{key} must be >= 0 (or -1: the flavor's), got {overrides[key]}")
+        if key in _OFF_AT_ZERO_SHAPE and overrides.get(key) == 0:
+            overrides[key] = None
     if "n_heads" in overrides and "n_kv_heads" not in overrides:
         overrides["n_kv_heads"] = None  # as documented: n_heads alone means multi-head attention
     if "ffn_dim" not in overrides and ("multiple_of" in overrides or "ffn_dim_multiplier" in overrides):
@@ -307,6 +331,11 @@ def model_config_keys(args: LlamaModelArgs) -> dict:
             "n_heads": args.n_heads, "n_kv_heads": args.num_kv_heads, "ffn_dim": args.ffn_hidden_dim,
             "rope_theta": float(args.rope_theta), "norm_eps": float(args.norm_eps),
             "tie_word_embeddings": bool(args.tie_word_embeddings), "max_seq_len": args.max_seq_len}
+    if args.every_n_layers_nope is not None or args.fixed_attn_block_size is not None or args.use_qk_norm:
+        keys.update(every_n_layers_nope=args.every_n_layers_nope or 0,
+                    fixed_attn_block_size=args.fixed_attn_block_size or 0, use_qk_norm=args.use_qk_norm,
+                    attn_temperature_tuning=args.attn_temperature_tuning, floor_scale=args.floor_scale,
+                    attn_scale=float(args.attn_scale))
     s = args.rope_scaling
     keys["rope_scaling_factor"] = 0.0 if s is None else float(s.factor)
     if s is not None:
@@ -377,6 +406,23 @@ def check_config(config) -> None:
         raise ConfigError("model.rope_per_document restarts RoPE at each document of block_causal attention: set "
                           "model.attn_mask_type = \"block_causal\" too, or drop it")
     check_experts(config, config_model_args(config))
+    check_llama4_attention(config, config_model_args(config))
+
+
+def check_llama4_attention(config, args: LlamaModelArgs) -> None:
+    """Llama 4's chunked attention and temperature tuning are computed from whole sequences: refused where a
+    rank holds a part of one (tensor or context parallel) and the training sequences reach them."""
+    seq = config.training.seq_len
+    needs = []
+    if args.fixed_attn_block_size is not None and seq > args.fixed_attn_block_size:
+        needs.append(f"chunked attention (training.seq_len {seq} > model.fixed_attn_block_size "
+                     f"{args.fixed_attn_block_size})")
+    if args.every_n_layers_nope is not None and args.attn_temperature_tuning and seq >= args.floor_scale:
+        needs.append(f"temperature tuning (training.seq_len {seq} >= model.floor_scale {args.floor_scale})")
+    split = [k for k in ("tensor_parallel_degree", "context_parallel_degree") if getattr(config.parallelism, k) > 1]
+    if needs and split:
+        raise ConfigError(f"Llama 4's {' and '.join(needs)} is not implemented with parallelism.{split[0]} > 1: "
+                          "train shorter sequences, or without it")
 
 
 def check_experts(config, args: LlamaModelArgs) -> None:

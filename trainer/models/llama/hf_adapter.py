@@ -38,6 +38,19 @@ This per-expert layout is what ``save_pretrained`` writes (transformers 5 as wel
 Mixtral folders hold. transformers 5 fuses the experts in memory (``mlp.gate.weight``,
 ``mlp.experts.gate_up_proj`` = ``[w1; w3]`` stacked on the rows, ``mlp.experts.down_proj`` = ``w2``); a
 folder saved in that layout is read too.
+
+Llama 4 (``transformers.Llama4ForCausalLM``, model_type ``llama4_text``; or the text model of a
+``Llama4ForConditionalGeneration`` folder, model_type ``llama4``, whose weights are under
+``language_model.``): Meta's interleaved RoPE (no permutation), NoPE blocks, QK norm, chunked attention and
+temperature tuning as model arguments, MoE blocks with sigmoid top-k routing applied to the experts' inputs
+and one shared expert, the dense blocks' feed-forward sized ``intermediate_size_mlp``. Read only::
+
+    layers.{i}.feed_forward.w1/w2/w3      model.layers.{i}.feed_forward.gate_proj/down_proj/up_proj.weight
+    layers.{i}.moe.router.gate.weight     model.layers.{i}.feed_forward.router.weight
+    layers.{i}.moe.experts.w1, w3         model.layers.{i}.feed_forward.experts.gate_up_proj [E, dim, 2H],
+                                          transposed: its first H columns w1, the others w3
+    layers.{i}.moe.experts.w2             model.layers.{i}.feed_forward.experts.down_proj [E, H, dim], transposed
+    layers.{i}.moe.shared_experts.w1/2/3  model.layers.{i}.feed_forward.shared_expert.gate/down/up_proj.weight
 """
 
 from __future__ import annotations
@@ -90,6 +103,41 @@ _NATIVE_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+# Llama 4: the families config.json's model_type names, and its weights under our names (``{i}``: the block).
+LLAMA4_TYPES = ("llama4_text", "llama4")
+_LLAMA4_LAYER = {
+    "feed_forward.w1.weight": "feed_forward.gate_proj.weight",
+    "feed_forward.w2.weight": "feed_forward.down_proj.weight",
+    "feed_forward.w3.weight": "feed_forward.up_proj.weight",
+    "moe.router.gate.weight": "feed_forward.router.weight",
+    "moe.experts.w1": "feed_forward.experts.gate_up_proj",
+    "moe.experts.w3": "feed_forward.experts.gate_up_proj",
+    "moe.experts.w2": "feed_forward.experts.down_proj",
+    "moe.shared_experts.w1.weight": "feed_forward.shared_expert.gate_proj.weight",
+    "moe.shared_experts.w2.weight": "feed_forward.shared_expert.down_proj.weight",
+    "moe.shared_experts.w3.weight": "feed_forward.shared_expert.up_proj.weight",
+}
+_SHARED_EXPERTS = ("moe.shared_experts.w1.weight", "moe.shared_experts.w2.weight", "moe.shared_experts.w3.weight")
+# A Llama4ForConditionalGeneration folder: the text model's weights carry this prefix (the vision ones are not read).
+_LLAMA4_TEXT_PREFIX = "language_model."
+
+
+def _llama4_source(name: str) -> str:
+    """The Llama 4 weight that holds our weight ``name`` (KeyError when it has none)."""
+    m = _NATIVE_LAYER.match(name)
+    if m and m.group(2) in _LLAMA4_LAYER:
+        return f"model.layers.{m.group(1)}.{_LLAMA4_LAYER[m.group(2)]}"
+    return native_to_hf_key(name)  # embeddings, attention and norms are named as Llama's
+
+
+def _from_llama4(leaf: str, t: torch.Tensor) -> torch.Tensor:
+    """Our weight ``leaf`` from the Llama 4 tensor ``t`` that holds it (the experts are stored transposed)."""
+    if leaf in ("moe.experts.w1", "moe.experts.w3"):  # [E, dim, 2H]: gate columns, then up
+        return t.chunk(2, dim=-1)[leaf == "moe.experts.w3"].transpose(1, 2).contiguous()
+    if leaf == "moe.experts.w2":  # [E, H, dim]
+        return t.transpose(1, 2).contiguous()
+    return t
 
 
 def permute_for_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -147,7 +195,10 @@ def hf_names(name: str, num_experts: int = 0) -> list[str]:
 def hf_sources(name: str, args, reader) -> list[str]:
     """The Hugging Face weights that make our weight ``name`` of a model with ``args``, in the layout ``reader``
     (anything with ``in``) holds: Mixtral's per-expert weights, else transformers 5's fused experts. When
-    neither is complete the per-expert names are returned (the caller names the first one missing)."""
+    neither is complete the per-expert names are returned (the caller names the first one missing). A Llama 4
+    folder's reader (``family`` "llama4") has one source per weight."""
+    if getattr(reader, "family", None) == "llama4":
+        return [_llama4_source(name)]
     m = _NATIVE_LAYER.match(name)
     if m and m.group(2) in _EXPERTS:
         per_expert = hf_names(name, args.moe.num_experts)
@@ -163,9 +214,12 @@ def hf_sources(name: str, args, reader) -> list[str]:
 
 
 def _from_sources(name: str, tensors: list[torch.Tensor], sources: list[str], n_heads: int,
-                  n_kv_heads: int) -> torch.Tensor:
-    """Our weight ``name`` from the HF ``tensors`` read under the names ``sources`` (:func:`hf_sources`)."""
+                  n_kv_heads: int, llama4: bool = False) -> torch.Tensor:
+    """Our weight ``name`` from the HF ``tensors`` read under the names ``sources`` (:func:`hf_sources`) of a
+    Llama or Mixtral folder, or a Llama 4 one (``llama4``)."""
     leaf = _NATIVE_LAYER.match(name).group(2) if name.startswith("layers.") else name
+    if llama4:  # one tensor per weight; Meta's interleaved RoPE, so no permutation
+        return _from_llama4(leaf, tensors[0])
     if leaf in _EXPERTS:
         fused, half = _FUSED_EXPERTS[leaf]
         if sources[0].endswith(fused):  # [E, 2H, dim]: w1's rows, then w3's
@@ -187,7 +241,8 @@ def read_native(reader, name: str, args) -> torch.Tensor:
     missing = [s for s in sources if s not in reader]
     if missing:
         raise KeyError(f"{missing[0]!r} (needed for {name})")
-    return _from_sources(name, [reader.get(s) for s in sources], sources, args.n_heads, args.num_kv_heads)
+    return _from_sources(name, [reader.get(s) for s in sources], sources, args.n_heads, args.num_kv_heads,
+                         llama4=getattr(reader, "family", None) == "llama4")
 
 
 def native_shape(reader, name: str, args) -> tuple[int, ...]:
@@ -196,6 +251,9 @@ def native_shape(reader, name: str, args) -> tuple[int, ...]:
     sources = hf_sources(name, args, reader)
     shapes = [tuple(reader.shape(s)) for s in sources]
     leaf = name.split(".", 2)[-1] if name.startswith("layers.") else name
+    if getattr(reader, "family", None) == "llama4" and leaf in _EXPERTS:
+        e, rows, cols = shapes[0]  # gate_up [E, dim, 2H]; down [E, H, dim]
+        return (e, cols // 2, rows) if leaf != "moe.experts.w2" else (e, cols, rows)
     if leaf not in _EXPERTS:
         return shapes[0]
     if len(set(shapes)) > 1:
@@ -221,8 +279,9 @@ def native_weight_names(args) -> list[str]:
     keys = ["tok_embeddings.weight", "norm.weight"]
     if not args.tie_word_embeddings:
         keys.append("output.weight")
+    shared = _SHARED_EXPERTS if args.moe is not None and args.moe.num_shared_experts else ()
     for i in range(args.n_layers):
-        ffn = (_ROUTER, *_EXPERTS) if args.is_moe_layer(i) else _DENSE_FFN_KEYS
+        ffn = (_ROUTER, *_EXPERTS, *shared) if args.is_moe_layer(i) else _DENSE_FFN_KEYS
         keys += [f"layers.{i}.{k}" for k in (*_ATTENTION_KEYS, *ffn)]
     return keys
 
@@ -312,23 +371,32 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
 
 
 class HFReader:
-    """Reads tensors by HF name from a folder's safetensors files, one file handle per file."""
+    """Reads tensors by HF name from a folder's safetensors files, one file handle per file. ``family``:
+    "llama4" for a Llama 4 folder (names as :func:`hf_sources` gives them), else None. A multimodal Llama 4
+    folder's text weights are read under their names without the ``language_model.`` prefix."""
 
     def __init__(self, folder: Path):
         from safetensors import safe_open
 
-        self.files = _weight_files(folder)
+        files = _weight_files(folder)
+        model_type = read_hf_config(folder).get("model_type")
+        self.family = "llama4" if model_type in LLAMA4_TYPES else None
+        self._stored = {}  # our reading name -> the name in the file
+        if model_type == "llama4":
+            self._stored = {n[len(_LLAMA4_TEXT_PREFIX):]: n for n in files if n.startswith(_LLAMA4_TEXT_PREFIX)}
+            files = {short: files[full] for short, full in self._stored.items()}
+        self.files = files
         self._handles = {f: safe_open(str(f), framework="pt") for f in set(self.files.values())}
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
 
     def get(self, name: str) -> torch.Tensor:
-        return self._handles[self.files[name]].get_tensor(name)
+        return self._handles[self.files[name]].get_tensor(self._stored.get(name, name))
 
     def shape(self, name: str) -> list[int]:
         """The tensor's shape, read from the file's header (no data read)."""
-        return list(self._handles[self.files[name]].get_slice(name).get_shape())
+        return list(self._handles[self.files[name]].get_slice(self._stored.get(name, name)).get_shape())
 
 
 def load_hf_state_dict(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -337,6 +405,8 @@ def load_hf_state_dict(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[
     cfg = read_hf_config(folder)
     args = hf_config_to_args(cfg, source=f"{folder}/config.json")
     reader = HFReader(folder)
+    if reader.family == "llama4":
+        return {name: read_native(reader, name, args) for name in native_weight_names(args)}, cfg
     sd = hf_to_native_state_dict({name: reader.get(name) for name in reader.files}, args.n_heads, args.num_kv_heads)
     return sd, cfg
 
@@ -351,6 +421,11 @@ def architecture_mismatches(hf_args: LlamaModelArgs, args) -> list[str]:
              ("intermediate_size", "expert_hidden_dim" if moe else "ffn_hidden_dim"),
              ("vocab_size", "vocab_size"), ("rope_theta", "rope_theta"), ("rope_scaling", "rope_scaling"),
              ("rms_norm_eps", "norm_eps"), ("tie_word_embeddings", "tie_word_embeddings"))
+    if moe and (hf_args.n_moe_layers < hf_args.n_layers or args.n_moe_layers < args.n_layers):
+        pairs += (("intermediate_size_mlp", "ffn_hidden_dim"),)  # Llama 4's dense blocks
+    pairs += (("no_rope_layer_interval", "every_n_layers_nope"), ("attention_chunk_size", "fixed_attn_block_size"),
+              ("use_qk_norm", "use_qk_norm"), ("attn_temperature_tuning", "attn_temperature_tuning"),
+              ("floor_scale", "floor_scale"), ("attn_scale", "attn_scale"))
     out = [f"{hf_name} {getattr(hf_args, ours)} != {getattr(args, ours)}" for hf_name, ours in pairs
            if getattr(hf_args, ours) != getattr(args, ours)]
     if moe:
@@ -439,7 +514,7 @@ _MUST_BE = {
     "pretraining_tp": 1,
 }
 # Each model type's RoPE base when config.json gives none (transformers' defaults).
-_DEFAULT_THETA = {"llama": 10000.0, "mixtral": 1000000.0}
+_DEFAULT_THETA = {"llama": 10000.0, "mixtral": 1000000.0, "llama4_text": 500000.0}
 
 
 def _rope_from_hf(cfg: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
@@ -482,17 +557,66 @@ def _mixtral_moe(cfg: dict[str, Any], source: str) -> MoEArgs:
         raise ConfigError(f"{source}: {e}") from None
 
 
+def _every_nth(flags: list, n: int | None) -> bool:
+    """Whether ``flags`` (one per block) are true exactly at the blocks ``i`` with ``(i + 1) % n == 0``."""
+    return n is not None and n >= 1 and [bool(f) for f in flags] == [(i + 1) % n == 0 for i in range(len(flags))]
+
+
+def _llama4_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """Llama 4's text model as our arguments beside the shape: its MoE (sigmoid scores of the top-k router
+    logits applied to the experts' inputs, one shared expert the experts' size, no balancing: the
+    [model.moe] keys are the user's to set), which blocks have one, the NoPE blocks, chunked attention, QK
+    norm and temperature tuning. Lists of blocks that follow no interval are refused."""
+    needed = ("intermediate_size_mlp", "num_local_experts", "num_experts_per_tok", "num_hidden_layers")
+    missing = [k for k in needed if not isinstance(cfg.get(k), int)]
+    if missing:
+        raise ConfigError(f"{source}: missing or non-integer {', '.join(missing)}")
+    layers = cfg["num_hidden_layers"]
+    step = cfg.get("interleave_moe_layer_step", 1)
+    moe_layers = cfg.get("moe_layers")
+    if moe_layers is not None and not _every_nth([i in moe_layers for i in range(layers)], step):
+        raise ConfigError(f"{source}: moe_layers={moe_layers} is not every interleave_moe_layer_step-th block "
+                          f"({step}), which is the only layout this model has")
+    interval = cfg.get("no_rope_layer_interval", 4)
+    no_rope = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+    nope_blocks = [not flag for flag in no_rope]
+    nope = None if not any(nope_blocks) else interval if _every_nth(nope_blocks, interval) else None
+    if any(nope_blocks) and nope is None:
+        raise ConfigError(f"{source}: no_rope_layers={no_rope} is not every no_rope_layer_interval-th block "
+                          f"({interval}) without RoPE, which is the only layout this model has")
+    chunk = cfg.get("attention_chunk_size")
+    layer_types = cfg.get("layer_types")
+    expected_types = ["chunked_attention" if rope and chunk is not None else "full_attention" for rope in no_rope]
+    if layer_types is not None and list(layer_types) != expected_types:
+        raise ConfigError(f"{source}: layer_types={layer_types} is not chunked attention in exactly the RoPE blocks "
+                          "(this model's layout)")
+    try:
+        moe = MoEArgs(num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"], num_shared_experts=1,
+                      score_func="sigmoid", route_norm=False, score_before_experts=True, load_balance_coeff=None,
+                      aux_loss_coeff=0.0)
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    return dict(moe=moe, interleave_moe_layer_step=step, moe_hidden_dim=cfg["intermediate_size"],
+                every_n_layers_nope=nope, fixed_attn_block_size=chunk, use_qk_norm=bool(cfg.get("use_qk_norm", True)),
+                attn_temperature_tuning=bool(cfg.get("attn_temperature_tuning", True)),
+                floor_scale=int(cfg.get("floor_scale", 8192)), attn_scale=float(cfg.get("attn_scale", 0.1)))
+
+
 def hf_config_to_args(cfg: dict[str, Any], source: str = "config.json", seq_len: int | None = None) -> LlamaModelArgs:
     """The one reader of a Hugging Face Llama or Mixtral ``config.json``: every architectural field becomes our
     ``LlamaModelArgs`` (no flavor involved). A field this model cannot represent raises ``ConfigError``
     naming it, in one line, so that nothing is imported as a different model than the folder holds.
     ``seq_len``: the longest sequence the model will see (default: max_position_embeddings), which a
     ``sliding_window`` must not be shorter than (this model attends over the whole sequence)."""
+    if cfg.get("model_type") == "llama4":  # the multimodal folder: its text model
+        text = cfg.get("text_config")
+        if not isinstance(text, dict):
+            raise ConfigError(f"{source}: model_type 'llama4' without a text_config")
+        cfg, source = {"model_type": "llama4_text", **text}, f"{source} (text_config)"
     model_type = cfg.get("model_type", "llama")
     if model_type not in _DEFAULT_THETA:
-        hint = (" (Llama 4's text model has QK-norm, NoPE layers and chunked attention, which this model lacks)"
-                if str(model_type).startswith("llama4") else "")
-        raise ConfigError(f"{source}: model_type {model_type!r} is not supported (only 'llama' and 'mixtral'){hint}")
+        raise ConfigError(f"{source}: model_type {model_type!r} is not supported (only 'llama', 'mixtral' and "
+                          "Llama 4's 'llama4' / 'llama4_text')")
     for key, ok in _MUST_BE.items():
         value = cfg.get(key)
         if value is not None and value != ok:
@@ -514,14 +638,17 @@ def hf_config_to_args(cfg: dict[str, Any], source: str = "config.json", seq_len:
         raise ConfigError(f"{source}: sliding_window={json.dumps(window)} is shorter than {what}, and this model "
                           f"attends over the whole sequence (no sliding window): {fix}")
     theta, rope_scaling = _rope_from_hf(cfg, source)
-    moe = {}
+    moe, ffn = {}, cfg["intermediate_size"]
     if model_type == "mixtral":
         moe = dict(moe=_mixtral_moe(cfg, source), interleave_moe_layer_step=1, moe_hidden_dim=cfg["intermediate_size"])
+    elif model_type == "llama4_text":
+        moe = _llama4_fields(cfg, source)
+        ffn = cfg["intermediate_size_mlp"]
     try:
         return LlamaModelArgs(
             dim=dim, n_layers=cfg["num_hidden_layers"], n_heads=n_heads,
             n_kv_heads=cfg.get("num_key_value_heads") or n_heads, vocab_size=cfg["vocab_size"],
-            ffn_dim=cfg["intermediate_size"], norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            ffn_dim=ffn, norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta, rope_scaling=rope_scaling,
             max_seq_len=int(cfg.get("max_position_embeddings") or 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), **moe,

@@ -181,11 +181,14 @@ class Attention(nn.Module):
     computes on its local heads unchanged.
     """
 
-    def __init__(self, args: LlamaModelArgs):
+    def __init__(self, args: LlamaModelArgs, layer_id: int = 0):
         super().__init__()
         self.n_heads = args.n_heads
         self.n_kv_heads = args.num_kv_heads
         self.head_dim = args.head_dim
+        # Llama 4: a NoPE block neither rotates nor normalises q and k; a RoPE block may L2-normalise them.
+        self.use_rope = args.uses_rope(layer_id)
+        self.qk_norm_eps = args.norm_eps if args.use_qk_norm and self.use_rope else None
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
@@ -200,18 +203,24 @@ class Attention(nn.Module):
         _trunc_normal_(self.wo.weight, init_std)
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, input_pos: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, query_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Causal self-attention over ``x`` (training: ``rope_cache`` is the whole table, or each token's rows
         when RoPE restarts per document), limited to each document by a ``DocumentMask`` (``block_causal``);
         with ``input_pos`` the keys/values also go to ``kv_cache`` and the queries attend over the cache
-        under ``mask`` (``rope_cache`` then holds the rows for those positions; see ``Transformer.forward``)."""
+        under ``mask`` (``rope_cache`` then holds the rows for those positions; see ``Transformer.forward``).
+        ``query_scale`` (``[seq]`` or ``[batch, seq]``, a NoPE block's): each query's temperature."""
         bsz, seqlen, _ = x.shape
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
 
-        q = apply_rotary_emb(q, rope_cache)
-        k = apply_rotary_emb(k, rope_cache)
+        if self.use_rope:
+            q = apply_rotary_emb(q, rope_cache)
+            k = apply_rotary_emb(k, rope_cache)
+        if self.qk_norm_eps is not None:
+            q, k = _l2_norm(q, self.qk_norm_eps), _l2_norm(k, self.qk_norm_eps)
+        if query_scale is not None:
+            q = (q * query_scale[..., None, None]).to(q.dtype)
         if input_pos is not None:
             k, v = self.kv_cache.update(input_pos, k, v)
 
@@ -220,6 +229,12 @@ class Attention(nn.Module):
         out = attention(q, k, v, mask)
         out = out.transpose(1, 2).reshape(bsz, seqlen, -1)
         return self.wo(out)
+
+
+def _l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Each head vector divided by its root mean square (in float32; no weight): Llama 4's QK norm."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
 
 
 class FeedForward(nn.Module):
@@ -249,7 +264,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = Attention(args, layer_id)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
         # A mixture of experts in place of the feed-forward (``moe``, torchtitan's name) in the blocks the
         # args say; ``moe_enabled`` tells which one a block has.
@@ -270,10 +285,11 @@ class TransformerBlock(nn.Module):
         (self.moe if self.moe_enabled else self.feed_forward).init_weights(self.weight_init_std)
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, input_pos: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, query_scale: torch.Tensor | None = None) -> torch.Tensor:
         # The cache arguments go by keyword: tensor parallelism's input preparation for ``attention``
         # counts the positional inputs (x, rope_cache).
-        h = x + self.attention(self.attention_norm(x), rope_cache, input_pos=input_pos, mask=mask)
+        h = x + self.attention(self.attention_norm(x), rope_cache, input_pos=input_pos, mask=mask,
+                               query_scale=query_scale)
         return h + (self.moe if self.moe_enabled else self.feed_forward)(self.ffn_norm(h))
 
 
@@ -315,6 +331,8 @@ class Transformer(nn.Module):
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
+        # Which blocks rotate q and k (all but Llama 4's NoPE blocks), by name: a pipeline stage keeps some.
+        self._rope_blocks = {str(i): args.uses_rope(i) for i in range(args.n_layers)}
         # Non-persistent: never in state_dict / checkpoints, recomputed by init_weights.
         self.register_buffer("rope_cache", self._compute_rope_cache(), persistent=False)
         self.init_weights()
@@ -422,6 +440,41 @@ class Transformer(nn.Module):
         mask = (slots <= input_pos[..., None]).unsqueeze(-3)  # [(batch,) 1, seq, slots]: one mask for all heads
         return self.rope_cache[input_pos], mask
 
+    def _llama4_inputs(self, h: torch.Tensor, positions: torch.Tensor | None, input_pos: torch.Tensor | None,
+                       mask, dtype: torch.dtype) -> tuple[object, torch.Tensor | None]:
+        """Llama 4's attention inputs beside the usual ones: the RoPE blocks' mask when they attend within
+        ``fixed_attn_block_size`` chunks and the sequence (or the cache) is longer than one (None otherwise:
+        they take the model's mask), and the NoPE blocks' query temperatures at these positions (None when all
+        are 1: every position below ``floor_scale - 1``). Under tensor parallel ``h`` holds a sequence shard:
+        the configuration refuses sequences that would need either (trainer/models/config.py)."""
+        args = self.args
+        chunk = args.fixed_attn_block_size
+        nope = args.every_n_layers_nope is not None and args.attn_temperature_tuning
+        if chunk is None and not nope:
+            return None, None
+        seqlen = h.shape[1]
+        if input_pos is None and self.context_parallel is not None:
+            seqlen *= self.context_parallel.degree * self.context_parallel.sequence_shards
+            if (chunk is not None and seqlen > chunk) or (nope and seqlen >= args.floor_scale - 1):
+                raise ValueError(f"context parallel with sequences of {seqlen} tokens needs Llama 4's chunked "
+                                 "attention or temperature tuning, which are not implemented with it")
+            return None, None
+        where = torch.arange(seqlen, device=h.device) if input_pos is None else input_pos
+        longest = seqlen if input_pos is None else int(input_pos.max()) + 1  # generation: read on the host
+        query_scale = None
+        if nope and longest >= args.floor_scale:
+            query_scale = torch.log1p(torch.floor((where.float() + 1.0) / args.floor_scale)) * args.attn_scale + 1.0
+        rope_mask = None
+        if chunk is not None and input_pos is not None:  # the cache slots of each query's own chunk
+            slots = torch.arange(mask.shape[-1], device=h.device)
+            rope_mask = mask & (slots // chunk == input_pos[..., None] // chunk).unsqueeze(-3)
+        elif chunk is not None and seqlen > chunk:  # chunks as documents: a segment starts at either boundary
+            within = (where % chunk).expand(h.shape[0], -1)
+            if positions is not None and args.attn_mask_type == "block_causal":
+                within = torch.minimum(within, positions)
+            rope_mask = document_mask(within, rope_restart=False, dtype=dtype)
+        return rope_mask, query_scale
+
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[B, S, vocab]`` for ``tokens`` ``[B, S]`` at positions ``0 .. S-1`` (training).
@@ -460,8 +513,12 @@ class Transformer(nn.Module):
                     rope = self.rope_cache[mask.rope_positions]  # [B, S, head_dim // 2, 2]: each token's rows
         else:
             rope, mask = self._cached_inputs(input_pos)
-        for layer in self.layers.values():
-            h = layer(h, rope, input_pos=input_pos, mask=mask)
+        rope_mask, query_scale = self._llama4_inputs(h, positions, input_pos, mask, dtype)
+        for name, layer in self.layers.items():
+            if self._rope_blocks[name]:
+                h = layer(h, rope, input_pos=input_pos, mask=mask if rope_mask is None else rope_mask)
+            else:
+                h = layer(h, rope, input_pos=input_pos, mask=mask, query_scale=query_scale)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
