@@ -301,8 +301,22 @@ def mixtral_differences(args) -> list[str]:
     return out
 
 
+def llama4_attention(args) -> list[str]:
+    """The [model] keys of Llama 4's attention a model sets (none of the layouts written here holds them)."""
+    keys = [("every_n_layers_nope", args.every_n_layers_nope is not None),
+            ("fixed_attn_block_size", args.fixed_attn_block_size is not None), ("use_qk_norm", args.use_qk_norm),
+            ("attn_temperature_tuning", args.attn_temperature_tuning and args.every_n_layers_nope is not None)]
+    return [f"model.{key}" for key, used in keys if used]
+
+
 def _refuse_experts(args, flavor: str) -> None:
-    """Only dense Llama models and Mixtral-shaped mixtures of experts have a Hugging Face layout here."""
+    """Only dense Llama models and Mixtral-shaped mixtures of experts have a Hugging Face layout here, and
+    neither has Llama 4's attention."""
+    attention = llama4_attention(args)
+    if attention:
+        raise ValueError(f"{flavor} uses Llama 4's attention ({', '.join(attention)}), and exporting to Llama 4's "
+                         "Hugging Face layout is not implemented (Llama and Mixtral folders would compute other "
+                         "logits); keep the DCP checkpoint (trainer eval and generate read it)")
     differences = mixtral_differences(args)
     if differences:
         raise ValueError(f"{flavor} is a mixture of experts that Mixtral's Hugging Face layout cannot hold: "
