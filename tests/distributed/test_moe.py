@@ -1,5 +1,5 @@
 """The mixture-of-experts debug model (debug_moe) in real runs over gloo: FSDP, expert parallel (EP 4, EP x FSDP,
-EP x HSDP, EP x PP with full activation checkpointing) and tensor parallel (compiled TP, EP x TP) reproduce the
+EP x HSDP, EP x PP with full activation checkpointing) and tensor parallel (TP, EP x TP) reproduce the
 one-process losses, auxiliary losses and expert loads, and EP x FSDP and EP x TP checkpoints resume in one process. (The layer against its definition, resume in one process:
 tests/unit/test_moe.py.)
 
@@ -37,8 +37,8 @@ LAYOUTS = {
     "hsdp2_ep2": (4, 2, [*EP2, "--parallelism.data_parallel_replicate_degree", "2"]),
     "pp2_ep2_ac_full": (4, 4, [*EP2, *PP2, "--activation_checkpoint.mode", "full"]),
     # Tensor parallel: each expert's hidden units (and the shared expert's) split over 2 ranks, the router
-    # replicated; compiled (the blocks whole), and under EP 2 (efsdp 1) with the experts split on both dimensions.
-    "tp2_compile": (2, 8, [*TP2, "--compile.enable"]),
+    # replicated; alone, and under EP 2 (efsdp 1) with the experts split on both dimensions.
+    "tp2": (2, 8, TP2),
     "ep2_tp2": (4, 4, [*EP2, *TP2, "--parallelism.expert_tensor_parallel_degree", "2", *SAVE]),
 }
 RUNS = {name: spec(f"moe_{name}", n, *MOE, "--training.local_batch_size", str(lb), *extra)
