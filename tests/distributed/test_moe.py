@@ -1,7 +1,7 @@
-"""The mixture-of-experts debug model (debug_moe) in real runs over gloo: FSDP, expert parallel (EP 4, EP x FSDP,
-EP x HSDP, EP x PP with full activation checkpointing) and tensor parallel (TP, EP x TP) reproduce the
-one-process losses, auxiliary losses and expert loads, and EP x FSDP and EP x TP checkpoints resume in one process. (The layer against its definition, resume in one process:
-tests/unit/test_moe.py.)
+"""The mixture-of-experts debug model (debug_moe) in real runs over gloo: FSDP, expert parallel (EP 2 and 4,
+EP x FSDP, EP x HSDP, EP x PP with full activation checkpointing) and tensor parallel (TP, EP x TP) reproduce
+the one-process losses, auxiliary losses and expert loads, and EP x FSDP and EP x TP checkpoints resume in one
+process. (The layer against its definition, resume in one process: tests/unit/test_moe.py.)
 
 Two MoE blocks, 10 steps, a global batch of 8 sequences of 64 tokens, the sequence-wise auxiliary loss and a
 fast expert bias on (so that both the loss and the routing depend on every rank's counts); the runs are
@@ -29,9 +29,10 @@ TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]
 LAYOUTS = {
     "fsdp2": (2, 4, []),
-    # Expert parallel: the experts split over 4 ranks, or over 2 with FSDP over the ranks holding the same experts
+    # Expert parallel: the experts split over 2 or 4 ranks; with FSDP over the ranks holding the same experts
     # (efsdp 2), with HSDP replicas, in each stage of a pipeline with full activation checkpointing (the
     # schedule's shape-inference pass and the recomputation are not counted), and with TP below.
+    "ep2": (2, 4, EP2),
     "ep4": (4, 2, ["--parallelism.expert_parallel_degree", "4"]),
     "ep2_fsdp2": (4, 2, [*EP2, *SAVE]),
     "hsdp2_ep2": (4, 2, [*EP2, "--parallelism.data_parallel_replicate_degree", "2"]),
