@@ -1,4 +1,5 @@
-"""Hugging Face Llama and Mixtral interop: ``trainer export`` (DCP -> HF folder) and import (HF folder -> our model).
+"""Hugging Face Llama, Mixtral and Llama 4 interop: ``trainer export`` (DCP -> HF folder) and import (HF folder ->
+our model).
 
 The key mapping, the RoPE permutation of ``wq``/``wk``, reading an HF safetensors folder and loading it
 into a (sharded) model live in the core, :mod:`trainer.models.llama.hf_adapter` (the trainer starts
@@ -9,6 +10,7 @@ the command line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -35,7 +37,10 @@ from trainer.models.llama.hf_adapter import (
     load_hf_into,
     load_hf_state_dict,
     native_to_hf_key,
+    llama4_unit,
+    llama4_weight_names,
     native_to_hf_state_dict,
+    native_to_llama4_state_dict,
     native_weight_names,
     permute_for_hf,
     unpermute_from_hf,
@@ -49,6 +54,8 @@ __all__ = [
     "hf_config_to_args",
     "hf_to_native_key",
     "hf_to_native_state_dict",
+    "hf_format",
+    "llama4_hf_config",
     "llama_hf_config",
     "load_hf_into",
     "load_hf_model",
@@ -124,6 +131,38 @@ def llama_hf_config(args, *, max_position_embeddings: int, dtype: torch.dtype, t
         config["eos_token_id"] = tokenizer.eos_id
         if tokenizer.pad_id is not None:
             config["pad_token_id"] = tokenizer.pad_id
+    return config
+
+
+def llama4_hf_config(args, *, max_position_embeddings: int, dtype: torch.dtype, tokenizer=None) -> dict[str, Any]:
+    """A ``config.json`` for ``Llama4ForCausalLM`` (model_type ``llama4_text``) equivalent to our arguments
+    (:func:`llama4_differences` empty): the attention keys, the MoE blocks (none for a dense model: an
+    empty ``moe_layers``), the dense blocks' ``intermediate_size_mlp``."""
+    base = llama_hf_config(dataclasses.replace(args, moe=None), max_position_embeddings=max_position_embeddings,
+                           dtype=dtype, tokenizer=tokenizer)
+    for key in ("mlp_bias", "pretraining_tp", "rope_theta", "rope_scaling"):
+        base.pop(key, None)
+    scaling = llama_hf_config(args, max_position_embeddings=1, dtype=dtype)["rope_scaling"] or {"rope_type": "default"}
+    moe = args.moe
+    nope = args.every_n_layers_nope
+    config = {
+        **base, "architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text",
+        "intermediate_size": args.expert_hidden_dim if moe is not None else args.ffn_hidden_dim,
+        "intermediate_size_mlp": args.ffn_hidden_dim,
+        "num_local_experts": moe.num_experts if moe is not None else 1,
+        "num_experts_per_tok": moe.top_k if moe is not None else 1,
+        "interleave_moe_layer_step": args.interleave_moe_layer_step,
+        "moe_layers": [i for i in range(args.n_layers) if args.is_moe_layer(i)],
+        "no_rope_layers": [int(args.uses_rope(i)) for i in range(args.n_layers)],
+        "no_rope_layer_interval": nope if nope is not None else args.n_layers + 1,
+        "attention_chunk_size": args.fixed_attn_block_size, "use_qk_norm": bool(args.use_qk_norm),
+        "attn_temperature_tuning": bool(args.attn_temperature_tuning), "floor_scale": int(args.floor_scale),
+        "attn_scale": float(args.attn_scale), "router_aux_loss_coef": float(moe.aux_loss_coeff) if moe else 0.0,
+        "router_jitter_noise": 0.0, "output_router_logits": False,
+        "rope_parameters": {**scaling, "rope_theta": float(args.rope_theta)},
+    }
+    config["layer_types"] = ["chunked_attention" if rope and args.fixed_attn_block_size is not None
+                             else "full_attention" for rope in config["no_rope_layers"]]
     return config
 
 
@@ -279,7 +318,7 @@ def tiktoken_to_tokenizer_json(ranks_path: Path, out: Path) -> None:
 
 
 def mixtral_differences(args) -> list[str]:
-    """How a mixture of experts differs from Mixtral's (the one Hugging Face MoE layout written here): every
+    """How a mixture of experts differs from Mixtral's (one of the two Hugging Face MoE layouts written here): every
     block an MoE, softmax scores renormalised over the top k, applied to the experts' outputs, no shared
     experts, no scaling. Empty for a Mixtral-shaped model."""
     moe = args.moe
@@ -301,6 +340,46 @@ def mixtral_differences(args) -> list[str]:
     return out
 
 
+def llama4_differences(args) -> list[str]:
+    """How a model differs from what Llama 4's Hugging Face layout holds: its MoE blocks route as Llama 4's
+    (sigmoid scores of the top-k, applied to the experts' inputs, not renormalised or scaled) with one shared
+    expert of the experts' size. Empty for a Llama 4-shaped model (or a dense one)."""
+    moe = args.moe
+    if moe is None:
+        return []
+    out = []
+    if moe.score_func != "sigmoid":
+        out.append(f"score_func {moe.score_func} (Llama 4: sigmoid)")
+    if moe.route_norm:
+        out.append("route_norm true (Llama 4 does not renormalise the top-k scores)")
+    if moe.route_scale != 1.0:
+        out.append(f"route_scale {moe.route_scale} (Llama 4: 1)")
+    if not moe.score_before_experts:
+        out.append("score_before_experts false (Llama 4 scales the experts' inputs)")
+    if moe.num_shared_experts != 1:
+        out.append(f"num_shared_experts {moe.num_shared_experts} (Llama 4: 1)")
+    return out
+
+
+def hf_format(args, flavor: str) -> str:
+    """The Hugging Face layout a model is written as: "llama" (dense), "mixtral" (an MoE with Mixtral's
+    routing) or "llama4" (Llama 4's attention or routing); ValueError naming what differs otherwise."""
+    attention = llama4_attention(args)
+    if args.moe is None and not attention:
+        return "llama"
+    mixtral = mixtral_differences(args)
+    if not mixtral and not attention:
+        return "mixtral"
+    llama4 = llama4_differences(args)
+    if not llama4:
+        return "llama4"
+    layouts = "Llama 4's Hugging Face layout (its attention keys are set)" if attention else \
+        "neither Llama 4's nor Mixtral's Hugging Face layout"
+    why = "; ".join(llama4) + ("" if attention else f"; for Mixtral's: {'; '.join(mixtral)}")
+    raise ValueError(f"{flavor} is a mixture of experts that {layouts} can hold: model.moe {why}; keep the DCP "
+                     "checkpoint (trainer eval and generate read it)")
+
+
 def llama4_attention(args) -> list[str]:
     """The [model] keys of Llama 4's attention a model sets (none of the layouts written here holds them)."""
     keys = [("every_n_layers_nope", args.every_n_layers_nope is not None),
@@ -309,39 +388,27 @@ def llama4_attention(args) -> list[str]:
     return [f"model.{key}" for key, used in keys if used]
 
 
-def _refuse_experts(args, flavor: str) -> None:
-    """Only dense Llama models and Mixtral-shaped mixtures of experts have a Hugging Face layout here, and
-    neither has Llama 4's attention."""
-    attention = llama4_attention(args)
-    if attention:
-        raise ValueError(f"{flavor} uses Llama 4's attention ({', '.join(attention)}), and exporting to Llama 4's "
-                         "Hugging Face layout is not implemented (Llama and Mixtral folders would compute other "
-                         "logits); keep the DCP checkpoint (trainer eval and generate read it)")
-    differences = mixtral_differences(args)
-    if differences:
-        raise ValueError(f"{flavor} is a mixture of experts that Mixtral's Hugging Face layout cannot hold: "
-                         f"model.moe {'; '.join(differences)}; keep the DCP checkpoint (trainer eval and generate "
-                         "read it)")
 
 
 def _check_expert_bias(biases: dict[str, torch.Tensor], drop: bool) -> None:
-    """Mixtral has no routing bias: refuse to drop a non-zero one (it changes which experts tokens go to)
-    unless asked, and say that it was dropped."""
+    """Mixtral and Llama 4 have no routing bias: refuse to drop a non-zero one (it changes which experts tokens
+    go to) unless asked, and say that it was dropped."""
     moved = [name for name, bias in biases.items() if bias.abs().max().item() > 0]
     if not moved:
         return
     if not drop:
         raise ValueError(f"{moved[0]} is not zero ({len(moved)} block(s) trained with model.moe.load_balance_coeff): "
-                         "Mixtral has no routing bias, so the export would route tokens to other experts than this "
-                         "model does; pass --drop_expert_bias to export without it, or keep the DCP checkpoint")
+                         "Mixtral and Llama 4 have no routing bias, so the export would route tokens to other experts "
+                         "than this model does; pass --drop_expert_bias to export without it, or keep the DCP "
+                         "checkpoint")
     logger.warning("the expert bias of %d block(s) is dropped (--drop_expert_bias): the export routes without it "
                    "and its logits differ from this model's", len(moved))
 
 
 def _note_capacity(args) -> None:
     if args.moe is not None and args.moe.capacity_factor is not None:
-        logger.warning("model.moe.capacity_factor %s is not exported: Mixtral runs every token through its "
-                       "experts (dropless)", args.moe.capacity_factor)
+        logger.warning("model.moe.capacity_factor %s is not exported: Mixtral and Llama 4 run every token through "
+                       "their experts (dropless)", args.moe.capacity_factor)
 
 
 def export_checkpoint(
@@ -358,14 +425,14 @@ def export_checkpoint(
     overwrite: bool = False,
     drop_expert_bias: bool = False,
 ) -> Path:
-    """Write a DCP checkpoint as a Hugging Face Llama (or Mixtral) folder; returns the folder. Nothing is
+    """Write a DCP checkpoint as a Hugging Face Llama (Mixtral, Llama 4) folder; returns the folder. Nothing is
     written when the model has no such layout."""
     out = Path(output)
     if out.exists() and not out.is_dir():  # before reading the checkpoint: a mistake costs no time
         raise FileExistsError(f"--output {out} is a file; name a folder for the Hugging Face files")
     info = describe_checkpoint(checkpoint, config_path=config_path, flavor=flavor,
                                tokenizer_path=tokenizer_path, step=step)
-    _refuse_experts(info.args, info.config.model.flavor)
+    fmt = hf_format(info.args, info.config.model.flavor)
     _check_expert_bias(_checkpoint_biases(info), drop_expert_bias)
     _note_capacity(info.args)
     if out.exists() and any(out.iterdir()):
@@ -374,9 +441,9 @@ def export_checkpoint(
         for old in list(out.glob("model*.safetensors")) + [out / SAFETENSORS_INDEX]:
             old.unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    _export_streaming(info, out, parse_dtype(dtype), parse_size(max_shard_size))
+    _export_streaming(info, out, parse_dtype(dtype), parse_size(max_shard_size), fmt)
     context = max_position_embeddings or info.context_length
-    _write_metadata_files(info.args, out, parse_dtype(dtype), context, info.tokenizer, info.tokenizer_path)
+    _write_metadata_files(info.args, out, parse_dtype(dtype), context, info.tokenizer, info.tokenizer_path, fmt)
     align_export(out, info.config, info.tokenizer)  # the tokenizer files follow training's BOS/EOS rule
     logger.info("exported %s (%s) as %s to %s", info.step_dir, info.config.model.flavor,
                 str(parse_dtype(dtype)).replace("torch.", ""), out)
@@ -403,9 +470,17 @@ def _checkpoint_biases(info) -> dict[str, torch.Tensor]:
     return {clean_fqn(k[len("model."):]): v for k, v in flat.items()}
 
 
-def _export_streaming(info, out: Path, dtype: torch.dtype, max_shard_bytes: int) -> None:
+def _to_hf(sd: dict[str, torch.Tensor], args, fmt: str) -> dict[str, torch.Tensor]:
+    """Our weights as the Hugging Face layout ``fmt`` names them (:func:`hf_format`)."""
+    if fmt == "llama4":
+        return native_to_llama4_state_dict(sd)
+    return native_to_hf_state_dict(sd, args.n_heads, args.num_kv_heads, tie_word_embeddings=args.tie_word_embeddings)
+
+
+def _export_streaming(info, out: Path, dtype: torch.dtype, max_shard_bytes: int, fmt: str = "llama") -> None:
     """Read the checkpoint one output shard at a time (DCP loads any subset of keys), so the export
-    needs memory for one shard, not for the whole model."""
+    needs memory for one shard, not for the whole model. A shard takes whole Hugging Face weights: Llama 4's
+    fused experts need a block's ``w1`` and ``w3`` together."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
@@ -426,18 +501,21 @@ def _export_streaming(info, out: Path, dtype: torch.dtype, max_shard_bytes: int)
             raise ValueError(f"checkpoint {info.step_dir}: {name} has shape {shape}, flavor "
                              f"{info.config.model.flavor!r} expects {expected_shapes[name]} (wrong --flavor?)")
     experts = args.moe.num_experts if args.moe is not None else 0
-    ordered = sorted(wanted, key=lambda k: hf_order(hf_names(k, experts)[0]))
+    units: dict[str, list[str]] = {}  # one Hugging Face weight (or expert stack) -> the native weights in it
+    for k in wanted:
+        units.setdefault(llama4_unit(k) if fmt == "llama4" else k, []).append(k)
+    ordered = sorted(units, key=lambda u: hf_order(u if fmt == "llama4" else hf_names(u, experts)[0]))
     itemsize = torch.empty((), dtype=dtype).element_size()
-    sizes = [(k, itemsize * int(torch.Size(entries[k][1].size).numel())) for k in ordered]
+    sizes = [(u, sum(itemsize * int(torch.Size(entries[k][1].size).numel()) for k in units[u])) for u in ordered]
     shards = plan_shards(sizes, max_shard_bytes)
     weight_map: dict[str, str] = {}
-    for i, keys in enumerate(shards, start=1):
+    for i, shard in enumerate(shards, start=1):
+        keys = [k for u in shard for k in units[u]]
         flat = {entries[k][0]: torch.empty(entries[k][1].size, dtype=entries[k][1].properties.dtype) for k in keys}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             dcp.load(flat, storage_reader=dcp.FileSystemReader(str(info.step_dir)))
-        part = native_to_hf_state_dict({k: flat[entries[k][0]].to(dtype) for k in keys}, args.n_heads,
-                                       args.num_kv_heads)
+        part = _to_hf({k: flat[entries[k][0]].to(dtype) for k in keys}, args, fmt)
         fname = _shard_name(i, len(shards))
         write_safetensors(part, out / fname)
         weight_map.update({k: fname for k in part})
@@ -453,9 +531,11 @@ def _expected_shapes(args) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def _write_metadata_files(args, out: Path, dtype: torch.dtype, context: int, tokenizer, tokenizer_path) -> list[str]:
+def _write_metadata_files(args, out: Path, dtype: torch.dtype, context: int, tokenizer, tokenizer_path,
+                          fmt: str = "llama") -> list[str]:
     """config.json, generation_config.json and the tokenizer files."""
-    config = llama_hf_config(args, max_position_embeddings=context, dtype=dtype, tokenizer=tokenizer)
+    make = llama4_hf_config if fmt == "llama4" else llama_hf_config
+    config = make(args, max_position_embeddings=context, dtype=dtype, tokenizer=tokenizer)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if tokenizer is None:
         return ["config.json"]
@@ -470,12 +550,12 @@ def _write_metadata_files(args, out: Path, dtype: torch.dtype, context: int, tok
 def write_hf_folder(sd: dict[str, torch.Tensor], args, out: str | Path, *, dtype="bf16",
                     max_position_embeddings: int, tokenizer=None, tokenizer_path: str | Path | None = None,
                     max_shard_size: str = "5GB", source: str = "model", drop_expert_bias: bool = False) -> Path:
-    """Write a native state dict (our FQNs) as a Hugging Face Llama folder, or a Mixtral folder for a
-    mixture of experts with Mixtral's routing (anything else is refused before anything is written; so is
+    """Write a native state dict (our FQNs) as a Hugging Face Llama folder, or a Mixtral or Llama 4 one
+    (:func:`hf_format`; anything else is refused before anything is written; so is
     a non-zero expert bias unless ``drop_expert_bias``)."""
     out = Path(out)
     torch_dtype = parse_dtype(dtype)
-    _refuse_experts(args, "this model")
+    fmt = hf_format(args, "this model")
     _check_expert_bias({k: v for k, v in sd.items() if _is_bias(k)}, drop_expert_bias)
     _note_capacity(args)
     sd = {k: v for k, v in sd.items() if not _is_bias(k)}
@@ -488,15 +568,17 @@ def write_hf_folder(sd: dict[str, torch.Tensor], args, out: str | Path, *, dtype
         if not torch.equal(sd["output.weight"], sd["tok_embeddings.weight"]):
             logger.warning("tie_word_embeddings is set but output.weight differs from tok_embeddings.weight; "
                            "exporting tok_embeddings.weight")
-    hf_sd = native_to_hf_state_dict({k: v.to(torch_dtype) for k, v in sd.items()}, args.n_heads,
-                                    args.num_kv_heads, tie_word_embeddings=args.tie_word_embeddings)
+    if args.tie_word_embeddings:
+        sd = {k: v for k, v in sd.items() if k != "output.weight"}
+    hf_sd = _to_hf({k: v.to(torch_dtype) for k, v in sd.items()}, args, fmt)
     experts = args.moe.num_experts if args.moe is not None else 0
-    expected = {hf for k in native_weight_names(args) for hf in hf_names(k, experts)}
+    expected = set(llama4_weight_names(args)) if fmt == "llama4" else \
+        {hf for k in native_weight_names(args) for hf in hf_names(k, experts)}
     if set(hf_sd) != expected:
         raise ValueError(f"{source} does not match the model config: missing {sorted(expected - set(hf_sd))[:5]}, "
                          f"unexpected {sorted(set(hf_sd) - expected)[:5]}")
     shards = save_safetensors_sharded(hf_sd, out, parse_size(max_shard_size))
-    files = _write_metadata_files(args, out, torch_dtype, max_position_embeddings, tokenizer, tokenizer_path)
+    files = _write_metadata_files(args, out, torch_dtype, max_position_embeddings, tokenizer, tokenizer_path, fmt)
     logger.info("exported %s as %s to %s: %d safetensors shard(s), %s", source,
                 str(torch_dtype).replace("torch.", ""), out, len(shards), ", ".join(files))
     return out
@@ -508,9 +590,9 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(
         prog="trainer export",
-        description="Export a DCP checkpoint (any parallel layout) to a Hugging Face Llama folder (Mixtral for a "
-                    "mixture of experts with Mixtral's routing): config.json, sharded safetensors with index, "
-                    "tokenizer files.")
+        description="Export a DCP checkpoint (any parallel layout) to a Hugging Face Llama folder (Mixtral or "
+                    "Llama 4 for a mixture of experts with their routing, Llama 4 for its attention): config.json, "
+                    "sharded safetensors with index, tokenizer files.")
     parser.add_argument("--checkpoint", required=True, help="DCP step folder, a folder of step-N folders "
                         "(latest complete one), or a run's dump folder")
     parser.add_argument("--output", required=True, help="folder to write (created; must be empty unless --overwrite)")

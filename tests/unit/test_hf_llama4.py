@@ -128,11 +128,11 @@ def _args_of(folder):
     return read_hf_args(folder)
 
 
-def test_import_prints_keys_that_train(llama4, tmp_path, capsys):
+def test_import_prints_keys_that_train_and_export_back(llama4, tmp_path):
     """`trainer import` writes a seed with transformers' logits and prints [model] keys that describe the
     folder exactly; three training steps from those keys run here (the chunked and the temperature-tuned
-    attention at seq_len 32 included). Exporting the result is refused in one line: neither layout written
-    here (Llama, Mixtral) holds Llama 4's attention."""
+    attention at seq_len 32 included), and `trainer export` writes a Llama 4 folder that transformers loads
+    with the trained model's logits."""
     from torchtitan_ext.native import build_model
     from trainer.checkpoint.offline import load_checkpoint_state_dict
     from trainer.config import load_config
@@ -155,11 +155,21 @@ def test_import_prints_keys_that_train(llama4, tmp_path, capsys):
                                    "--training.steps", "3", "--optimizer.lr", "1e-3", "--checkpoint.enable",
                                    "--checkpoint.interval", "3", monkeypatch=mp)
     assert rc == 0, out[-3000:]
-    capsys.readouterr()
-    assert export_main(["--checkpoint", str(tmp_path / "run"), "--output", str(tmp_path / "export")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Llama 4's attention (model.every_n_layers_nope" in err, err
-    assert not (tmp_path / "export").exists()
+    from torchtitan_ext.native import load_native
+
+    assert export_main(["--checkpoint", str(tmp_path / "run"), "--output", str(tmp_path / "export"),
+                        "--dtype", "fp32"]) == 0
+    with contextlib.redirect_stderr(io.StringIO()):
+        reloaded, info = transformers.Llama4ForCausalLM.from_pretrained(str(tmp_path / "export"),
+                                                                        dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    for field in ("no_rope_layers", "moe_layers", "layer_types", "use_qk_norm", "attention_chunk_size",
+                  "attn_temperature_tuning", "floor_scale", "attn_scale", "intermediate_size_mlp", "head_dim"):
+        assert getattr(reloaded.config, field) == getattr(hf_model.config, field), field
+    trained = load_native(tmp_path / "run").model
+    ours = _logits(trained, _tokens())
+    assert (_logits(reloaded, _tokens()) - ours).abs().max().item() <= 1e-5
+    assert (_logits(hf_model, _tokens()) - ours).abs().max().item() > 1e-3  # the export is the trained model
 
 
 @pytest.mark.parametrize("change,named", [
@@ -195,3 +205,21 @@ def _import_toml(folder, sink) -> str:
 
     with contextlib.redirect_stdout(sink):
         return import_toml(read_hf_args(folder), folder / "step-0", folder)
+
+
+def test_llama4_routing_without_its_attention_exports_as_llama4(tmp_path):
+    """torchtitan's llama4 shape (Llama 4's routing, every other block an MoE, RoPE everywhere, no QK norm)
+    has no Mixtral layout: it is written as Llama 4 (every block rotating, no chunks), with our logits."""
+    from tests.support.models import fast_model
+    from torchtitan_ext.hf import hf_format, write_hf_folder
+    from trainer.models.llama.args import LlamaModelArgs, MoEArgs
+
+    args = LlamaModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=2048, ffn_dim=96, moe_hidden_dim=32,
+                          max_seq_len=64, rope_theta=500000.0, interleave_moe_layer_step=2,
+                          moe=MoEArgs(num_experts=4, top_k=1, num_shared_experts=1, load_balance_coeff=None))
+    assert hf_format(args, "this model") == "llama4"
+    model = fast_model(args, 0)
+    write_hf_folder(model.state_dict(), args, tmp_path / "hf", dtype="fp32", max_position_embeddings=64)
+    reloaded = transformers.Llama4ForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    assert reloaded.config.no_rope_layers == [1, 1, 1, 1] and reloaded.config.moe_layers == [1, 3]
+    assert (_logits(reloaded, _tokens()) - _logits(model, _tokens())).abs().max().item() <= 1e-5

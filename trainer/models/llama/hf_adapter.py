@@ -131,6 +131,34 @@ def _llama4_source(name: str) -> str:
     return native_to_hf_key(name)  # embeddings, attention and norms are named as Llama's
 
 
+def native_to_llama4_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our FQNs -> Llama 4's names, each expert stack transposed and ``w1``/``w3`` fused into ``gate_up_proj``
+    (so both of a block must be in ``sd`` together)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in sd.items():
+        leaf = _NATIVE_LAYER.match(name).group(2) if name.startswith("layers.") else name
+        if leaf == "moe.experts.w3":
+            continue  # with w1
+        target = _llama4_source(name)
+        if leaf == "moe.experts.w1":
+            w3 = sd[name[: -len("w1")] + "w3"]
+            tensor = torch.cat([tensor.transpose(1, 2), w3.transpose(1, 2)], dim=-1).contiguous()
+        elif leaf == "moe.experts.w2":
+            tensor = tensor.transpose(1, 2).contiguous()
+        out[target] = tensor
+    return dict(sorted(out.items(), key=lambda kv: hf_order(kv[0])))
+
+
+def llama4_weight_names(args) -> list[str]:
+    """The Llama 4 names a model with ``args`` is written as (``lm_head`` only when not tied)."""
+    return sorted({_llama4_source(n) for n in native_weight_names(args)}, key=hf_order)
+
+
+def llama4_unit(name: str) -> str:
+    """The Llama 4 weight our weight ``name`` is written into (``w1`` and ``w3`` of a block share one)."""
+    return _llama4_source(name)
+
+
 def _from_llama4(leaf: str, t: torch.Tensor) -> torch.Tensor:
     """Our weight ``leaf`` from the Llama 4 tensor ``t`` that holds it (the experts are stored transposed)."""
     if leaf in ("moe.experts.w1", "moe.experts.w3"):  # [E, dim, 2H]: gate columns, then up

@@ -252,8 +252,8 @@ def step_flops(s: Shape, stage: Stage, tokens: int, seq_len: int, tp: int, ac: s
     what torch's SDPA backward formula adds (it counts flash attention recomputing the scores: backward
     2.5x forward instead of 2x); ``ac_recompute`` is the forward work activation checkpointing repeats:
     a checkpointed block's forward up to w2 (torch's non-reentrant checkpoint stops recomputing once
-    backward has every tensor it needs, and w2's output is not one; an MoE block's routed w2 is), or under selective "op" AC the
-    matmuls it does not save."""
+    backward has every tensor it needs, and w2's output is not one; an MoE block's routed w2 is), or under
+    selective "op" AC the matmuls it does not save."""
     h, kv, ffn = s.dim, s.kv_dim, s.ffn
     sizes = {"wq": h * h, "wk": h * kv, "wv": h * kv, "wo": h * h, "w1": h * ffn, "w3": h * ffn, "w2": h * ffn}
     layer_fwd = 2 * tokens * sum(sizes.values()) / tp
