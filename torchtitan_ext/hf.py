@@ -144,7 +144,7 @@ def llama4_hf_config(args, *, max_position_embeddings: int, dtype: torch.dtype, 
         base.pop(key, None)
     scaling = llama_hf_config(args, max_position_embeddings=1, dtype=dtype)["rope_scaling"] or {"rope_type": "default"}
     moe = args.moe
-    nope = args.every_n_layers_nope
+    nope = args.no_rope_layer_interval
     config = {
         **base, "architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text",
         "intermediate_size": args.expert_hidden_dim if moe is not None else args.ffn_hidden_dim,
@@ -155,13 +155,13 @@ def llama4_hf_config(args, *, max_position_embeddings: int, dtype: torch.dtype, 
         "moe_layers": [i for i in range(args.n_layers) if args.is_moe_layer(i)],
         "no_rope_layers": [int(args.uses_rope(i)) for i in range(args.n_layers)],
         "no_rope_layer_interval": nope if nope is not None else args.n_layers + 1,
-        "attention_chunk_size": args.fixed_attn_block_size, "use_qk_norm": bool(args.use_qk_norm),
+        "attention_chunk_size": args.attention_chunk_size, "use_qk_norm": bool(args.use_qk_norm),
         "attn_temperature_tuning": bool(args.attn_temperature_tuning), "floor_scale": int(args.floor_scale),
         "attn_scale": float(args.attn_scale), "router_aux_loss_coef": float(moe.aux_loss_coeff) if moe else 0.0,
         "router_jitter_noise": 0.0, "output_router_logits": False,
         "rope_parameters": {**scaling, "rope_theta": float(args.rope_theta)},
     }
-    config["layer_types"] = ["chunked_attention" if rope and args.fixed_attn_block_size is not None
+    config["layer_types"] = ["chunked_attention" if rope and args.attention_chunk_size is not None
                              else "full_attention" for rope in config["no_rope_layers"]]
     return config
 
@@ -382,9 +382,9 @@ def hf_format(args, flavor: str) -> str:
 
 def llama4_attention(args) -> list[str]:
     """The [model] keys of Llama 4's attention a model sets (none of the layouts written here holds them)."""
-    keys = [("every_n_layers_nope", args.every_n_layers_nope is not None),
-            ("fixed_attn_block_size", args.fixed_attn_block_size is not None), ("use_qk_norm", args.use_qk_norm),
-            ("attn_temperature_tuning", args.attn_temperature_tuning and args.every_n_layers_nope is not None)]
+    keys = [("no_rope_layer_interval", args.no_rope_layer_interval is not None),
+            ("attention_chunk_size", args.attention_chunk_size is not None), ("use_qk_norm", args.use_qk_norm),
+            ("attn_temperature_tuning", args.attn_temperature_tuning and args.no_rope_layer_interval is not None)]
     return [f"model.{key}" for key, used in keys if used]
 
 

@@ -63,7 +63,7 @@ def test_config_reads_as_llama4_attention_and_experts(llama4):
     from trainer.models.llama.hf_adapter import read_hf_args
 
     args = read_hf_args(llama4[0])
-    assert (args.every_n_layers_nope, args.fixed_attn_block_size, args.use_qk_norm, args.attn_temperature_tuning,
+    assert (args.no_rope_layer_interval, args.attention_chunk_size, args.use_qk_norm, args.attn_temperature_tuning,
             args.floor_scale, args.attn_scale) == (2, 8, True, True, 16, 0.1)
     assert [args.uses_rope(i) for i in range(4)] == [True, False, True, False]
     assert [args.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
@@ -191,10 +191,10 @@ def test_sequences_split_over_ranks_refuse_chunked_attention_and_temperature(lla
     printed = io.StringIO()
     keys = import_toml_args(_import_toml(folder, printed))
     tp = [*keys, "--parallelism.tensor_parallel_degree", "2"]
-    with pytest.raises(ConfigError, match=r"chunked attention \(training.seq_len 32 > model.fixed_attn_block_size 8\)"):
+    with pytest.raises(ConfigError, match=r"chunked attention \(training.seq_len 32 > model.attention_chunk_size 8\)"):
         validate(load_config([*tp, "--training.seq_len", "32"], env={}), world_size=2, files=False)
     with pytest.raises(ConfigError, match=r"temperature tuning \(training.seq_len 16 >= model.floor_scale 16\)"):
-        validate(load_config([*tp, "--training.seq_len", "16", "--model.fixed_attn_block_size", "0"], env={}),
+        validate(load_config([*tp, "--training.seq_len", "16", "--model.attention_chunk_size", "0"], env={}),
                  world_size=2, files=False)
     validate(load_config([*tp, "--training.seq_len", "8"], env={}), world_size=2, files=False)
 

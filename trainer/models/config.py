@@ -137,11 +137,11 @@ class Model:
     """block_causal only: RoPE positions restart at 0 at every document (and at a sequence that starts inside
     a document), so a packed document gets the logits it gets alone. False (torchtitan's behaviour): positions
     run 0 .. seq_len-1 along the packed sequence."""
-    every_n_layers_nope: int = -1
-    """Llama 4's attention (torchtitan's name): block i has no positional encoding (NoPE) when (i + 1) is a
-    multiple of it. 0: every block rotates; -1: the flavor's (none has NoPE blocks). docs/moe.md, "Llama 4"."""
-    fixed_attn_block_size: int = -1
-    """Llama 4's chunked attention (torchtitan's name; Hugging Face's attention_chunk_size): the RoPE blocks
+    no_rope_layer_interval: int = -1
+    """Llama 4's attention (Hugging Face's name and meaning): block i has no positional encoding (NoPE) when
+    (i + 1) is a multiple of it (torchtitan's every_n_layers_nope counts from block 0 instead). 0: every block rotates; -1: the flavor's (none has NoPE blocks). docs/moe.md, "Llama 4's attention"."""
+    attention_chunk_size: int = -1
+    """Llama 4's chunked attention (Hugging Face's name; torchtitan's fixed_attn_block_size): the RoPE blocks
     attend only within chunks of this many positions. 0: the whole sequence; -1: the flavor's."""
     use_qk_norm: bool | None = None
     """Llama 4: the RoPE blocks L2-normalise each head of q and k after the rotation (no weight). Unset: the
@@ -171,10 +171,10 @@ CUSTOM_FLAVOR = "custom"
 
 # [model] keys that override a flavor's field of the same name (-1 / None: keep the flavor's).
 SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "multiple_of", "ffn_dim_multiplier",
-              "rope_theta", "norm_eps", "tie_word_embeddings", "max_seq_len", "every_n_layers_nope",
-              "fixed_attn_block_size", "use_qk_norm", "attn_temperature_tuning", "floor_scale", "attn_scale")
+              "rope_theta", "norm_eps", "tie_word_embeddings", "max_seq_len", "no_rope_layer_interval",
+              "attention_chunk_size", "use_qk_norm", "attn_temperature_tuning", "floor_scale", "attn_scale")
 # Shape keys whose 0 turns the feature off (their LlamaModelArgs value None).
-_OFF_AT_ZERO_SHAPE = ("every_n_layers_nope", "fixed_attn_block_size")
+_OFF_AT_ZERO_SHAPE = ("no_rope_layer_interval", "attention_chunk_size")
 
 # "<flavor>_<N>l": the flavor's shapes with N layers (e.g. llama3_8b_4l), for benchmarks and tests of a big
 # model's layers on a small machine.
@@ -331,9 +331,9 @@ def model_config_keys(args: LlamaModelArgs) -> dict:
             "n_heads": args.n_heads, "n_kv_heads": args.num_kv_heads, "ffn_dim": args.ffn_hidden_dim,
             "rope_theta": float(args.rope_theta), "norm_eps": float(args.norm_eps),
             "tie_word_embeddings": bool(args.tie_word_embeddings), "max_seq_len": args.max_seq_len}
-    if args.every_n_layers_nope is not None or args.fixed_attn_block_size is not None or args.use_qk_norm:
-        keys.update(every_n_layers_nope=args.every_n_layers_nope or 0,
-                    fixed_attn_block_size=args.fixed_attn_block_size or 0, use_qk_norm=args.use_qk_norm,
+    if args.no_rope_layer_interval is not None or args.attention_chunk_size is not None or args.use_qk_norm:
+        keys.update(no_rope_layer_interval=args.no_rope_layer_interval or 0,
+                    attention_chunk_size=args.attention_chunk_size or 0, use_qk_norm=args.use_qk_norm,
                     attn_temperature_tuning=args.attn_temperature_tuning, floor_scale=args.floor_scale,
                     attn_scale=float(args.attn_scale))
     s = args.rope_scaling
@@ -414,10 +414,10 @@ def check_llama4_attention(config, args: LlamaModelArgs) -> None:
     rank holds a part of one (tensor or context parallel) and the training sequences reach them."""
     seq = config.training.seq_len
     needs = []
-    if args.fixed_attn_block_size is not None and seq > args.fixed_attn_block_size:
-        needs.append(f"chunked attention (training.seq_len {seq} > model.fixed_attn_block_size "
-                     f"{args.fixed_attn_block_size})")
-    if args.every_n_layers_nope is not None and args.attn_temperature_tuning and seq >= args.floor_scale:
+    if args.attention_chunk_size is not None and seq > args.attention_chunk_size:
+        needs.append(f"chunked attention (training.seq_len {seq} > model.attention_chunk_size "
+                     f"{args.attention_chunk_size})")
+    if args.no_rope_layer_interval is not None and args.attn_temperature_tuning and seq >= args.floor_scale:
         needs.append(f"temperature tuning (training.seq_len {seq} >= model.floor_scale {args.floor_scale})")
     split = [k for k in ("tensor_parallel_degree", "context_parallel_degree") if getattr(config.parallelism, k) > 1]
     if needs and split:

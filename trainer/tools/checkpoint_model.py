@@ -28,8 +28,8 @@ RUN_CONFIG_KEYS = ("model.name", "model.flavor", "model.tokenizer_path", "model.
                    "model.ffn_dim", "model.multiple_of", "model.ffn_dim_multiplier", "model.rope_theta",
                    "model.rope_scaling_factor", "model.rope_scaling_low_freq_factor",
                    "model.rope_scaling_high_freq_factor", "model.rope_scaling_original_max_position_embeddings",
-                   "model.norm_eps", "model.tie_word_embeddings", "model.max_seq_len", "model.every_n_layers_nope",
-                   "model.fixed_attn_block_size", "model.use_qk_norm", "model.attn_temperature_tuning",
+                   "model.norm_eps", "model.tie_word_embeddings", "model.max_seq_len", "model.no_rope_layer_interval",
+                   "model.attention_chunk_size", "model.use_qk_norm", "model.attn_temperature_tuning",
                    "model.floor_scale", "model.attn_scale",
                    *(f"model.moe.{f.name}" for f in dataclasses.fields(ModelMoE)))
 

@@ -112,12 +112,13 @@ class LlamaModelArgs:
     auto_scale_hidden_dim: bool = True
     # The expert hidden size given outright (a Hugging Face moe_intermediate_size); wins over the rule.
     moe_hidden_dim: int | None = None
-    # Llama 4's attention (its "iRoPE"), torchtitan's names where it has them. Block i has no positional encoding
-    # (NoPE) when (i + 1) % every_n_layers_nope == 0; None: every block rotates.
-    every_n_layers_nope: int | None = None
+    # Llama 4's attention (its "iRoPE"), under Hugging Face's (and Meta's) names and meanings. Block i has no
+    # positional encoding (NoPE) when (i + 1) % no_rope_layer_interval == 0; None: every block rotates.
+    # (torchtitan's every_n_layers_nope counts from block 0 instead: its NoPE blocks are 0, n, 2n, ...)
+    no_rope_layer_interval: int | None = None
     # The RoPE blocks attend within chunks of this many positions only (Llama 4's attention_chunk_size); None:
     # the whole sequence.
-    fixed_attn_block_size: int | None = None
+    attention_chunk_size: int | None = None
     # The RoPE blocks L2-normalise each head of q and k after the rotation (no weight; Llama 4's use_qk_norm).
     use_qk_norm: bool = False
     # The NoPE blocks scale the query at position p by 1 + attn_scale * log(1 + floor((p + 1) / floor_scale))
@@ -154,10 +155,10 @@ class LlamaModelArgs:
             raise ValueError(f"max_seq_len must be positive, got {self.max_seq_len}")
         if self.attn_mask_type not in ("causal", "block_causal"):
             raise ValueError(f"attn_mask_type must be causal or block_causal, got {self.attn_mask_type!r}")
-        if self.every_n_layers_nope is not None and self.every_n_layers_nope < 1:
-            raise ValueError(f"every_n_layers_nope must be >= 1 (or None), got {self.every_n_layers_nope}")
-        if self.fixed_attn_block_size is not None and self.fixed_attn_block_size < 1:
-            raise ValueError(f"fixed_attn_block_size must be >= 1 (or None), got {self.fixed_attn_block_size}")
+        if self.no_rope_layer_interval is not None and self.no_rope_layer_interval < 1:
+            raise ValueError(f"no_rope_layer_interval must be >= 1 (or None), got {self.no_rope_layer_interval}")
+        if self.attention_chunk_size is not None and self.attention_chunk_size < 1:
+            raise ValueError(f"attention_chunk_size must be >= 1 (or None), got {self.attention_chunk_size}")
         if self.floor_scale < 1:
             raise ValueError(f"floor_scale must be >= 1, got {self.floor_scale}")
         if self.vocab_size == 0 or self.vocab_size < -1:
@@ -188,7 +189,7 @@ class LlamaModelArgs:
 
     def uses_rope(self, layer_id: int) -> bool:
         """Whether block ``layer_id`` rotates q and k (the others are Llama 4's NoPE blocks)."""
-        return self.every_n_layers_nope is None or (layer_id + 1) % self.every_n_layers_nope != 0
+        return self.no_rope_layer_interval is None or (layer_id + 1) % self.no_rope_layer_interval != 0
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether block ``layer_id``'s feed-forward is a mixture of experts."""

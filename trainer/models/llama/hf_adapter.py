@@ -451,9 +451,8 @@ def architecture_mismatches(hf_args: LlamaModelArgs, args) -> list[str]:
              ("rms_norm_eps", "norm_eps"), ("tie_word_embeddings", "tie_word_embeddings"))
     if moe and (hf_args.n_moe_layers < hf_args.n_layers or args.n_moe_layers < args.n_layers):
         pairs += (("intermediate_size_mlp", "ffn_hidden_dim"),)  # Llama 4's dense blocks
-    pairs += (("no_rope_layer_interval", "every_n_layers_nope"), ("attention_chunk_size", "fixed_attn_block_size"),
-              ("use_qk_norm", "use_qk_norm"), ("attn_temperature_tuning", "attn_temperature_tuning"),
-              ("floor_scale", "floor_scale"), ("attn_scale", "attn_scale"))
+    pairs += tuple((key, key) for key in ("no_rope_layer_interval", "attention_chunk_size", "use_qk_norm",
+                                          "attn_temperature_tuning", "floor_scale", "attn_scale"))
     out = [f"{hf_name} {getattr(hf_args, ours)} != {getattr(args, ours)}" for hf_name, ours in pairs
            if getattr(hf_args, ours) != getattr(args, ours)]
     if moe:
@@ -625,7 +624,7 @@ def _llama4_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     except ValueError as e:
         raise ConfigError(f"{source}: {e}") from None
     return dict(moe=moe, interleave_moe_layer_step=step, moe_hidden_dim=cfg["intermediate_size"],
-                every_n_layers_nope=nope, fixed_attn_block_size=chunk, use_qk_norm=bool(cfg.get("use_qk_norm", True)),
+                no_rope_layer_interval=nope, attention_chunk_size=chunk, use_qk_norm=bool(cfg.get("use_qk_norm", True)),
                 attn_temperature_tuning=bool(cfg.get("attn_temperature_tuning", True)),
                 floor_scale=int(cfg.get("floor_scale", 8192)), attn_scale=float(cfg.get("attn_scale", 0.1)))
 

@@ -443,13 +443,13 @@ class Transformer(nn.Module):
     def _llama4_inputs(self, h: torch.Tensor, positions: torch.Tensor | None, input_pos: torch.Tensor | None,
                        mask, dtype: torch.dtype) -> tuple[object, torch.Tensor | None]:
         """Llama 4's attention inputs beside the usual ones: the RoPE blocks' mask when they attend within
-        ``fixed_attn_block_size`` chunks and the sequence (or the cache) is longer than one (None otherwise:
+        ``attention_chunk_size`` chunks and the sequence (or the cache) is longer than one (None otherwise:
         they take the model's mask), and the NoPE blocks' query temperatures at these positions (None when all
         are 1: every position below ``floor_scale - 1``). Under tensor parallel ``h`` holds a sequence shard:
         the configuration refuses sequences that would need either (trainer/models/config.py)."""
         args = self.args
-        chunk = args.fixed_attn_block_size
-        nope = args.every_n_layers_nope is not None and args.attn_temperature_tuning
+        chunk = args.attention_chunk_size
+        nope = args.no_rope_layer_interval is not None and args.attn_temperature_tuning
         if chunk is None and not nope:
             return None, None
         seqlen = h.shape[1]
