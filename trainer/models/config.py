@@ -139,7 +139,8 @@ class Model:
     run 0 .. seq_len-1 along the packed sequence."""
     no_rope_layer_interval: int = -1
     """Llama 4's attention (Hugging Face's name and meaning): block i has no positional encoding (NoPE) when
-    (i + 1) is a multiple of it (torchtitan's every_n_layers_nope counts from block 0 instead). 0: every block rotates; -1: the flavor's (none has NoPE blocks). docs/moe.md, "Llama 4's attention"."""
+    (i + 1) is a multiple of it (torchtitan's every_n_layers_nope counts from block 0 instead). 0: every
+    block rotates; -1: the flavor's (none has NoPE blocks). docs/moe.md, "Llama 4's attention"."""
     attention_chunk_size: int = -1
     """Llama 4's chunked attention (Hugging Face's name; torchtitan's fixed_attn_block_size): the RoPE blocks
     attend only within chunks of this many positions. 0: the whole sequence; -1: the flavor's."""
