@@ -37,7 +37,7 @@ from trainer.models.llama.hf_adapter import (
     load_hf_into,
     load_hf_state_dict,
     native_to_hf_key,
-    llama4_unit,
+    llama4_name,
     llama4_weight_names,
     native_to_hf_state_dict,
     native_to_llama4_state_dict,
@@ -140,9 +140,9 @@ def llama4_hf_config(args, *, max_position_embeddings: int, dtype: torch.dtype, 
     empty ``moe_layers``), the dense blocks' ``intermediate_size_mlp``."""
     base = llama_hf_config(dataclasses.replace(args, moe=None), max_position_embeddings=max_position_embeddings,
                            dtype=dtype, tokenizer=tokenizer)
-    for key in ("mlp_bias", "pretraining_tp", "rope_theta", "rope_scaling"):
+    scaling = base.pop("rope_scaling") or {"rope_type": "default"}
+    for key in ("mlp_bias", "pretraining_tp", "rope_theta"):
         base.pop(key, None)
-    scaling = llama_hf_config(args, max_position_embeddings=1, dtype=dtype)["rope_scaling"] or {"rope_type": "default"}
     moe = args.moe
     nope = args.no_rope_layer_interval
     config = {
@@ -381,7 +381,7 @@ def hf_format(args, flavor: str) -> str:
 
 
 def llama4_attention(args) -> list[str]:
-    """The [model] keys of Llama 4's attention a model sets (none of the layouts written here holds them)."""
+    """The [model] keys of Llama 4's attention a model sets (only Llama 4's layout holds them)."""
     keys = [("no_rope_layer_interval", args.no_rope_layer_interval is not None),
             ("attention_chunk_size", args.attention_chunk_size is not None), ("use_qk_norm", args.use_qk_norm),
             ("attn_temperature_tuning", args.attn_temperature_tuning and args.no_rope_layer_interval is not None)]
@@ -503,7 +503,7 @@ def _export_streaming(info, out: Path, dtype: torch.dtype, max_shard_bytes: int,
     experts = args.moe.num_experts if args.moe is not None else 0
     units: dict[str, list[str]] = {}  # one Hugging Face weight (or expert stack) -> the native weights in it
     for k in wanted:
-        units.setdefault(llama4_unit(k) if fmt == "llama4" else k, []).append(k)
+        units.setdefault(llama4_name(k) if fmt == "llama4" else k, []).append(k)
     ordered = sorted(units, key=lambda u: hf_order(u if fmt == "llama4" else hf_names(u, experts)[0]))
     itemsize = torch.empty((), dtype=dtype).element_size()
     sizes = [(u, sum(itemsize * int(torch.Size(entries[k][1].size).numel()) for k in units[u])) for u in ordered]

@@ -117,19 +117,20 @@ def shard_experts(model: nn.Module, ep_mesh=None, tp_mesh=None, ep_tp_mesh=None)
     on the expert dimension (expert parallel), over the ``tp_mesh`` ranks on the hidden one (tensor parallel:
     ``w1``/``w3`` rows, ``w2`` columns), or both on ``ep_tp_mesh``. Their weights become DTensors, and under
     expert parallel each layer gets its :class:`ExpertParallel`."""
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Shard
 
     from trainer.models.moe import moe_layers
+    from trainer.parallel import distribute_parameter
 
     for layer in moe_layers(model):
         experts = layer.experts
-        for name, param in list(experts.named_parameters(recurse=False)):
+        for name in HIDDEN_DIM:
             hidden = Shard(HIDDEN_DIM[name])
             if ep_mesh is not None and tp_mesh is not None:
                 mesh, placements = ep_tp_mesh, [Shard(0), hidden]
             else:
                 mesh, placements = (ep_mesh, [Shard(0)]) if ep_mesh is not None else (tp_mesh, [hidden])
-            experts.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, placements)))
+            distribute_parameter(experts, name, mesh, placements)
         if ep_mesh is None:
             continue
         layer.expert_parallel = ExpertParallel(ep_mesh.get_group(), ep_mesh.size(), ep_mesh.get_local_rank())

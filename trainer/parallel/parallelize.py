@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (
 
 from trainer.errors import ConfigError
 
+from trainer.parallel import distribute_parameter
 from trainer.parallel.dims import ParallelDims
 from trainer.torch_compat import checkpoint_wrapper, enable_async_tensor_parallel
 
@@ -168,17 +169,11 @@ def _tp_moe(moe: nn.Module, plan: dict, tp_mesh: DeviceMesh) -> None:
     plan["moe"] = PrepareModuleInputOutput(
         input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
         output_layouts=(Partial(),), desired_output_layouts=(Shard(1),), use_local_output=True)
-    _distribute(moe.router.gate, "weight", tp_mesh, Replicate())
+    distribute_parameter(moe.router.gate, "weight", tp_mesh, [Replicate()])
     if moe.shared_experts is not None:
         for name, dim in (("w1", 0), ("w3", 0), ("w2", 1)):
-            _distribute(getattr(moe.shared_experts, name), "weight", tp_mesh, Shard(dim))
+            distribute_parameter(getattr(moe.shared_experts, name), "weight", tp_mesh, [Shard(dim)])
     moe.tensor_parallel = tp_mesh
-
-
-def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placement) -> None:
-    from torch.distributed.tensor import distribute_tensor
-
-    module.register_parameter(name, nn.Parameter(distribute_tensor(getattr(module, name), mesh, [placement])))
 
 
 # --------------------------------------------------------------------------------------------------

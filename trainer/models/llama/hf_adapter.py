@@ -123,8 +123,9 @@ _SHARED_EXPERTS = ("moe.shared_experts.w1.weight", "moe.shared_experts.w2.weight
 _LLAMA4_TEXT_PREFIX = "language_model."
 
 
-def _llama4_source(name: str) -> str:
-    """The Llama 4 weight that holds our weight ``name`` (KeyError when it has none)."""
+def llama4_name(name: str) -> str:
+    """The Llama 4 weight that holds our weight ``name`` (KeyError when it has none; ``w1`` and ``w3`` of a
+    block share one)."""
     m = _NATIVE_LAYER.match(name)
     if m and m.group(2) in _LLAMA4_LAYER:
         return f"model.layers.{m.group(1)}.{_LLAMA4_LAYER[m.group(2)]}"
@@ -139,7 +140,7 @@ def native_to_llama4_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.
         leaf = _NATIVE_LAYER.match(name).group(2) if name.startswith("layers.") else name
         if leaf == "moe.experts.w3":
             continue  # with w1
-        target = _llama4_source(name)
+        target = llama4_name(name)
         if leaf == "moe.experts.w1":
             w3 = sd[name[: -len("w1")] + "w3"]
             tensor = torch.cat([tensor.transpose(1, 2), w3.transpose(1, 2)], dim=-1).contiguous()
@@ -151,12 +152,7 @@ def native_to_llama4_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.
 
 def llama4_weight_names(args) -> list[str]:
     """The Llama 4 names a model with ``args`` is written as (``lm_head`` only when not tied)."""
-    return sorted({_llama4_source(n) for n in native_weight_names(args)}, key=hf_order)
-
-
-def llama4_unit(name: str) -> str:
-    """The Llama 4 weight our weight ``name`` is written into (``w1`` and ``w3`` of a block share one)."""
-    return _llama4_source(name)
+    return sorted({llama4_name(n) for n in native_weight_names(args)}, key=hf_order)
 
 
 def _from_llama4(leaf: str, t: torch.Tensor) -> torch.Tensor:
@@ -226,7 +222,7 @@ def hf_sources(name: str, args, reader) -> list[str]:
     neither is complete the per-expert names are returned (the caller names the first one missing). A Llama 4
     folder's reader (``family`` "llama4") has one source per weight."""
     if getattr(reader, "family", None) == "llama4":
-        return [_llama4_source(name)]
+        return [llama4_name(name)]
     m = _NATIVE_LAYER.match(name)
     if m and m.group(2) in _EXPERTS:
         per_expert = hf_names(name, args.moe.num_experts)

@@ -142,10 +142,15 @@ class Shape:
         return 2 * self.dim * self.dim + 2 * self.dim * self.kv_dim  # wq, wo, wk, wv
 
     @property
+    def routed_expert_matrices(self) -> int:
+        """One MoE block's routed experts (``w1``, ``w2``, ``w3`` of each)."""
+        return 3 * self.dim * self.expert_ffn * self.experts
+
+    @property
     def moe_ffn_matrices(self) -> int:
         """One MoE block's feed-forward: router, routed experts, shared experts."""
         h = self.dim
-        return h * self.experts + 3 * h * self.expert_ffn * self.experts + 3 * h * self.shared_ffn
+        return h * self.experts + self.routed_expert_matrices + 3 * h * self.shared_ffn
 
     def _ffn_matrices_total(self) -> int:
         return (self.n_layers - self.moe_layers) * 3 * self.dim * self.ffn + self.moe_layers * self.moe_ffn_matrices
@@ -164,7 +169,7 @@ class Shape:
         dense = 3 * self.dim * self.ffn if self.moe_layers < self.n_layers else 0
         moe = 0.0
         if self.moe_layers:
-            moe = self.moe_ffn_matrices - 3 * self.dim * self.expert_ffn * self.experts * (1 - 1 / ep)
+            moe = self.moe_ffn_matrices - self.routed_expert_matrices * (1 - 1 / ep)
         return self.attention_matrices + max(dense, moe)
 
     @property

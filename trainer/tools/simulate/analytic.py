@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from trainer.parallel.dims import ParallelDims
 from trainer.tools.plan.memory import Layout as PlanLayout
-from trainer.tools.plan.memory import Shape, memory_estimate, muon_exchange_bytes
+from trainer.tools.plan.memory import Shape, checkpointed_layers, memory_estimate, muon_exchange_bytes
 
 # The tensor-parallel plan of trainer/parallel/parallelize.py (apply_tp), by parameter name: colwise
 # Linear layers and the rowwise-sharded embedding split dim 0 of their weight, rowwise Linear layers dim 1;
@@ -113,7 +113,7 @@ def fsdp_collectives(s: Shape, dims: ParallelDims, stage: Stage, compute_bytes: 
         ffn = s.moe_ffn_matrices if last_moe else 3 * s.dim * s.ffn
         last = (s.attention_matrices + ffn) / dims.tp + s.layer_norms
     # Expert parallel: the routed experts of each MoE block, on this rank, apart from the rest.
-    routed = 3 * s.dim * s.expert_ffn * s.experts / dims.tp if dims.ep > 1 else 0.0
+    routed = s.routed_expert_matrices / dims.tp if dims.ep > 1 else 0.0
     moe_blocks = layers * s.moe_layers / s.n_layers if s.moe_layers else 0
     experts_held = moe_blocks * routed / dims.ep
     experts_last = routed / dims.ep if last_moe else 0.0
@@ -153,8 +153,7 @@ def ep_collectives(s: Shape, dims: ParallelDims, stage: Stage, tokens: int, comp
     if dims.ep == 1 or not s.moe_layers:
         return {}
     layers = stage.layers * s.moe_layers / s.n_layers
-    recomputed = 0 if ac in ("none", "selective_op") else layers if ac == "full" else \
-        math.ceil(stage.layers / int(ac.split("_", 1)[1])) * s.moe_layers / s.n_layers
+    recomputed = 0 if ac == "selective_op" else checkpointed_layers(stage.layers, ac) * s.moe_layers / s.n_layers
     forward = 2 * s.top_k * tokens * s.dim * compute_bytes + 8 * s.experts
     backward = 2 * s.top_k * tokens * s.dim * compute_bytes
     return {("all_to_all", "ep"): forward * (layers + recomputed) + backward * layers}
@@ -177,8 +176,7 @@ def cp_collectives(s: Shape, dims: ParallelDims, stage: Stage, sequences: int, s
                         cp_method=method)
     per_block = context_parallel_traffic(s, layout, compute_bytes, sequences)
     layers = stage.layers
-    recomputed = 0 if ac == "none" else layers if ac in ("full", "selective_op") else \
-        math.ceil(layers / int(ac.split("_", 1)[1]))
+    recomputed = checkpointed_layers(layers, ac)
     forward = per_block["forward"] * (layers + recomputed)
     if method == "allgather":
         return {("all_gather", "cp"): forward, ("all_to_all", "cp"): per_block["backward"] * layers}
@@ -210,7 +208,7 @@ def tp_collectives(s: Shape, dims: ParallelDims, stage: Stage, tokens: int, comp
     if ac == "selective_op":
         gathers += 2 * layers
     elif ac != "none":
-        recomputed = layers if ac == "full" else math.ceil(layers / int(ac.split("_", 1)[1]))
+        recomputed = checkpointed_layers(layers, ac)
         gathers, scatters = gathers + 2 * recomputed, scatters + recomputed
     return {("all_gather", "tp"): a * gathers, ("reduce_scatter", "tp"): a * scatters}
 
@@ -264,7 +262,7 @@ def step_flops(s: Shape, stage: Stage, tokens: int, seq_len: int, tp: int, ac: s
     if ac == "selective_op":
         recompute = L * 2 * tokens * sum(sizes[m] for m in SELECTIVE_OP_RECOMPUTED) / tp
     elif ac != "none":
-        recomputed = L if ac == "full" else math.ceil(L / int(ac.split("_", 1)[1]))
+        recomputed = checkpointed_layers(L, ac)
         recompute = recomputed * (layer_fwd - 2 * tokens * sizes["w2"] / tp + attn_fwd)
         # An MoE block's routed experts' w2 is recomputed too: the unsorting of their outputs saves its index
         # after it (the shared experts run last, so their w2 is not).
