@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
 import json
 import types
 import typing
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from trainer import extensions
@@ -56,9 +58,11 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def field_types(cls: type) -> dict[str, Any]:
-    """Each field's type, with string annotations resolved."""
-    return typing.get_type_hints(cls)
+@functools.cache
+def field_types(cls: type) -> Mapping[str, Any]:
+    """Each field's type, with string annotations resolved. Cached: resolving the annotations of every
+    section costs a tenth of a second per config load, and a class's annotations do not change."""
+    return types.MappingProxyType(typing.get_type_hints(cls))
 
 
 def is_section(tp: Any) -> bool:

@@ -29,15 +29,16 @@ def model_units(template: nn.Module) -> list[str]:
 
 
 def _unit_template(template: nn.Module, unit: str) -> nn.Module:
-    """A copy of the (meta) model holding only ``unit``; its init_weights then initialises just that."""
-    part = copy.deepcopy(template)
-    for name in ("tok_embeddings", "norm", "output"):
-        if name != unit:
-            setattr(part, name, None)
+    """A copy of the (meta) model holding only ``unit``; its init_weights then initialises just that. The
+    other units are not copied at all (the copy's memo maps them to None), so a model of n blocks costs n
+    block copies in all, not n whole-model copies."""
     keep = unit.split(".", 1)[1] if unit.startswith("layers.") else None
-    for key in list(part.layers.keys()):
-        if key != keep:
-            del part.layers[key]
+    others = [getattr(template, name) for name in ("tok_embeddings", "norm", "output")
+              if name != unit and getattr(template, name, None) is not None]
+    others += [layer for key, layer in template.layers.items() if key != keep]
+    part = copy.deepcopy(template, {id(m): None for m in others})
+    for key in [key for key, layer in part.layers.items() if layer is None]:
+        del part.layers[key]
     return part
 
 
