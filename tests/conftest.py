@@ -76,19 +76,24 @@ def pytest_runtest_teardown(item, nextitem):
     return result
 
 
-# Under pytest-xdist each worker takes whole files as it becomes free: the longest files go first (so no
-# worker is left alone with one at the end), and the files that read batched runs go last (by then the runs,
-# started with the session, have ended).
-_LONGEST_FIRST = ["tests/e2e/test_multinode.py", "tests/e2e/test_never_lose_work.py", "tests/e2e/test_lighthouse.py",
-                  "tests/e2e/test_train.py", "tests/e2e/test_torchtitan_compat.py", "tests/e2e/test_hf_eval.py"]
-_TIERS = ["tests/e2e/", "tests/unit/", "tests/distributed/"]
+# Under pytest-xdist each worker takes whole files as it becomes free. First the longest files and those that
+# mostly wait (on processes they started, on a time limit), while the batched runs started with the session
+# keep the cores busy; then the rest of the end-to-end tier; then the files that read batched runs (ended by
+# then; the two that also start processes of their own first); the unit tier's many short files last, so that
+# neither worker is left alone with a long file at the end.
+_FIRST = ["tests/e2e/test_multinode.py", "tests/e2e/test_never_lose_work.py", "tests/e2e/test_cleanup.py",
+          "tests/unit/test_suite_guards.py", "tests/e2e/test_lighthouse.py", "tests/e2e/test_train.py",
+          "tests/e2e/test_torchtitan_compat.py", "tests/e2e/test_hf_eval.py"]
+_TIERS = ["tests/e2e/", "tests/distributed/", "tests/unit/"]
+_FIRST_IN_TIER = ["tests/distributed/test_fault_tolerance.py", "tests/distributed/test_eval.py"]
 
 
 def _file_order(item) -> tuple[int, int]:
     path = item.nodeid.split("::")[0]
-    if path in _LONGEST_FIRST:
-        return 0, _LONGEST_FIRST.index(path)
-    return 1 + next((i for i, t in enumerate(_TIERS) if path.startswith(t)), len(_TIERS)), 0
+    if path in _FIRST:
+        return 0, _FIRST.index(path)
+    tier = next((i for i, t in enumerate(_TIERS) if path.startswith(t)), len(_TIERS))
+    return 1 + tier, _FIRST_IN_TIER.index(path) if path in _FIRST_IN_TIER else len(_FIRST_IN_TIER)
 
 
 def pytest_addoption(parser):

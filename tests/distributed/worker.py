@@ -126,6 +126,9 @@ def _leaks(before: isolation.Snapshot, rank: int) -> list[str]:
 def main() -> int:
     from trainer import train
 
+    # What the imports made lives as long as the process: the full collection after each run (below) then
+    # walks only what the runs made, a few hundredths of a second instead of a few tenths per run and rank.
+    gc.freeze()
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     destroy = dist.destroy_process_group
     dist.destroy_process_group = lambda *args, **kwargs: None  # train.main's; the group serves every run

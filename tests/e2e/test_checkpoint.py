@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.checkpoints import CKPT, COMMON, STEPS, STRAIGHT, assert_same, batch
-from tests.support.launch import read_metrics, run_train, start_train, train_in_process
+from tests.support.launch import FULL_WIDTH, read_metrics, run_train, start_train, train_in_process
 from tests.support.processes import kill_tree, run
 from trainer.checkpoint.layout import scan_folder, validate_checkpoint
 
@@ -82,7 +82,8 @@ def test_disk_full(tmp_path, monkeypatch):
     try:
         extra = [] if mounted else ["--checkpoint.drill_disk_bytes", str(100 << 20)]
         rc, log = train_in_process(dump, *COMMON, *CKPT, *batch(1), "--training.steps", "6", "--checkpoint.interval",
-                                   "2", "--checkpoint.last_save_model_only", "false", "--model.n_layers", "6", *extra,
+                                   "2", "--checkpoint.last_save_model_only", "false", "--model.n_layers", "6",
+                                   *FULL_WIDTH, *extra,
                                    monkeypatch=monkeypatch)  # the debug model's six blocks: 65 MiB a checkpoint
         assert rc != 0, log[-3000:]
         assert "disk space is short" in log  # said at the start

@@ -20,10 +20,14 @@ ROOT = Path(__file__).resolve().parents[2]
 DEBUG_CONFIG = ROOT / "train_configs" / "debug_model.toml"
 
 # Small and fast: the debug model at short sequences; overridden per test as needed.
-# Two of the debug model's six blocks: a step of the whole model costs 8x the CPU, and what the tests compare
-# (layouts, resumes, schedules) is the same with two. A test that needs more blocks says so after these.
+# Two of the debug model's six blocks, at half its width (dim 128: head_dim 8, feed-forward hidden 512): a
+# step of the whole model costs 8x the CPU, and what the tests compare (layouts, resumes, schedules) is the
+# same with two narrow blocks. A test that needs more blocks or the full width says so after these.
 FAST = ["--training.seq_len", "64", "--training.local_batch_size", "4", "--metrics.log_freq", "1",
-        "--lr_scheduler.warmup_steps", "2", "--metrics.enable_tensorboard", "false", "--model.n_layers", "2"]
+        "--lr_scheduler.warmup_steps", "2", "--metrics.enable_tensorboard", "false", "--model.n_layers", "2",
+        "--model.dim", "128"]
+# The debug model's own width, after FAST: for what depends on its size (a checkpoint's bytes, the experts' load).
+FULL_WIDTH = ["--model.dim", "256"]
 
 # -------------------------------------------------------------------------------------------------
 # The launcher: ./run_train.sh

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.launch import DEBUG_CONFIG, FAST, read_metrics, train_in_process
+from tests.support.launch import DEBUG_CONFIG, FAST, FULL_WIDTH, read_metrics, train_in_process
 from trainer.checkpoint.cli import main as checkpoint_main
 from trainer.checkpoint.layout import MARKER, scan_folder, validate_checkpoint
 
@@ -245,7 +245,7 @@ def test_a_background_save_failing_after_the_last_step_is_in_the_last_record(tmp
 
 def test_short_disk_refuses_the_save(tmp_path, mp):
     dump = tmp_path / "run"
-    rc, log = train(dump, "--training.steps", "6", "--checkpoint.interval", "2", "--model.n_layers", "6",
+    rc, log = train(dump, "--training.steps", "6", "--checkpoint.interval", "2", "--model.n_layers", "6", *FULL_WIDTH,
                     "--checkpoint.drill_disk_bytes", str(100 << 20), monkeypatch=mp)  # 6 blocks: ~60 MiB a save
     assert rc == 3, log
     assert "disk space is short" in log  # warned at start

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support.launch import read_metrics, train_in_process
+from tests.support.launch import FULL_WIDTH, read_metrics, train_in_process
 from trainer.config import ConfigError, load_config, validate
 from trainer.models.config import config_model_args, get_model_args
 from trainer.models.llama.args import LlamaModelArgs, MoEArgs, RopeScaling
@@ -289,13 +289,13 @@ def _imbalance(records, steps) -> float:
 
 @pytest.mark.slow
 def test_expert_bias_evens_the_load_over_100_steps(tmp_path, monkeypatch, capsys):
-    """debug_moe (one block, 4 x 32 tokens a step) for 100 steps with and without the expert bias: with it the
-    load ends closer to even than where it started, and than without it."""
+    """debug_moe (one block at its full width, 4 x 32 tokens a step) for 100 steps with and without the expert
+    bias: with it the load ends closer to even than where it started, and than without it."""
     runs = {}
     for name, coeff in (("bias", "0.01"), ("none", "0")):
         rc, _ = train_in_process(tmp_path / name, "--model.flavor", "debug_moe", "--training.steps", "100",
                                  "--model.moe.load_balance_coeff", coeff, "--checkpoint.enable", "false",
-                                 "--lr_scheduler.decay_type", "constant", "--model.n_layers", "1",
+                                 "--lr_scheduler.decay_type", "constant", "--model.n_layers", "1", *FULL_WIDTH,
                                  "--training.seq_len", "32", "--metrics.log_freq", "5", monkeypatch=monkeypatch)
         assert rc == 0
         runs[name] = {r["step"]: r for r in read_metrics(tmp_path / name)}
