@@ -217,6 +217,20 @@ def quiet_torchft_transport(timeout):
     return transport
 
 
+def quiet_torchft_sequence_numbers() -> None:
+    """torch 2.14 made a c10d backend's ``_set_sequence_number_for_group`` a no-op (sequence numbers now start
+    at 0 on every rank) that prints a deprecation warning from C++ straight to stderr, once per process.
+    torchft calls it each time it (re)configures a replica group's process group, so every group's console
+    gained a line of torch's before its own one-line errors. Where the call is the no-op, it is replaced by a
+    silent one: the same effect. Checked: 2.14.1 (the method is the base ``Backend``'s, also for NCCL);
+    2.11.0-2.13.0 still set the number, and are left as they are; torchft 0.2.0."""
+    import torch
+    from torch._C import _distributed_c10d
+
+    if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14):
+        _distributed_c10d.Backend._set_sequence_number_for_group = lambda self: None
+
+
 # --------------------------------------------------------------------------------------------------
 # Benchmarks
 # --------------------------------------------------------------------------------------------------

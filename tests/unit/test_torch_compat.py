@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import children
 from tests.support.imports import ROOT, attribute_chain, modules
 from tests.support.processes import free_port
 
@@ -369,6 +370,50 @@ def test_async_tensor_parallel_flag(monkeypatch):
     monkeypatch.setattr(inductor, "_micro_pipeline_tp", False)  # restored after the test
     enable_async_tensor_parallel()
     assert inductor._micro_pipeline_tp is True
+
+
+def _sequence_number_stderr(_rank) -> tuple[str, str]:
+    """(stderr of a gloo backend's _set_sequence_number_for_group after quiet_torchft_sequence_numbers, then
+    of torch's own method), in a fresh interpreter: torch's C++ warning is printed once per process."""
+    import os
+    import tempfile
+    from datetime import timedelta
+
+    from torch._C import _distributed_c10d as c10d
+
+    from trainer.torch_compat import quiet_torchft_sequence_numbers
+
+    backend = c10d.ProcessGroupGloo(c10d.HashStore(), 0, 1, timedelta(seconds=10))
+
+    def stderr_of_the_call() -> str:
+        with tempfile.TemporaryFile() as err:
+            saved = os.dup(2)
+            os.dup2(err.fileno(), 2)
+            try:
+                backend._set_sequence_number_for_group()
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+            err.seek(0)
+            return err.read().decode()
+
+    original = c10d.Backend._set_sequence_number_for_group
+    quiet_torchft_sequence_numbers()
+    quiet = stderr_of_the_call()
+    c10d.Backend._set_sequence_number_for_group = original
+    return quiet, stderr_of_the_call()
+
+
+def test_torchft_sequence_number_call_is_silent_where_torch_made_it_a_no_op():
+    """torchft calls it at each replica group's (re)configuration; torch 2.14 made it a no-op that warns on
+    stderr, which put a line of torch's on every group's console. Replaced, it says nothing; torch's own
+    warns on 2.14 and later (so the check can fail) and is left alone before."""
+    import torch
+
+    [(quiet, own)] = children.call(_sequence_number_stderr)
+    assert "setSequenceNumberForGroup" not in quiet, quiet
+    new_torch = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)
+    assert ("setSequenceNumberForGroup" in own) == new_torch, own
 
 
 def test_checkpoint_wrapper_keeps_state_dict_keys():

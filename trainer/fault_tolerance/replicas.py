@@ -135,6 +135,7 @@ class TorchFTReplicas:
         self.model_parts, self.optimizer, self.state, self.callbacks = model_parts, optimizer, state, callbacks
         self.params = [(name, p) for part in model_parts for name, p in part.named_parameters()]
         timeout = timedelta(milliseconds=cfg.process_group_timeout_ms)
+        torch_compat.quiet_torchft_sequence_numbers()
         pg = (torchft.ProcessGroupGloo(timeout=timeout) if cfg.process_group == "gloo"
               else torchft.ProcessGroupNCCL(timeout=timeout))
         self.address = os.environ[LIGHTHOUSE_ENV]
