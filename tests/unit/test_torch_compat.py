@@ -377,7 +377,6 @@ def _sequence_number_stderr(_rank) -> tuple[str, str]:
     of torch's own method), in a fresh interpreter: torch's C++ warning is printed once per process."""
     import os
     import tempfile
-    from datetime import timedelta
 
     from torch._C import _distributed_c10d as c10d
 
