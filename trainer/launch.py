@@ -24,10 +24,10 @@ Here:
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # Ctrl-C while torch is imported (seconds): one line, exit 130
-    from trainer.interrupt import quiet_keyboard_interrupt
+if __name__ == "__main__":  # before torch's import, which takes seconds (trainer/startup.py)
+    from trainer import startup
 
-    quiet_keyboard_interrupt()
+    startup.begin()
 
 import json
 import logging
@@ -165,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
+    from trainer import startup
+
+    startup.imports_done()
     args = parse_args(argv)
     dump_folder, stale_after_s, replica_group_job, outputs = _job(list(args.training_script_args))
     from trainer.errors import PeerLost, TrainerError

@@ -11,10 +11,10 @@ run (trainer/dry_run.py) or the run, and a failure's one line (trainer/observabi
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # before torch's import, which takes seconds: Ctrl-C there is one line, exit 130
-    from trainer.interrupt import quiet_keyboard_interrupt
+if __name__ == "__main__":  # before torch's import, which takes seconds (trainer/startup.py)
+    from trainer import startup
 
-    quiet_keyboard_interrupt()
+    startup.begin()
 
 import functools
 import gc
@@ -558,4 +558,5 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     from torch.distributed.elastic.multiprocessing.errors import record
 
+    startup.imports_done()
     sys.exit(record(main)())  # record: a bug's traceback goes to torchrun's error file (the launcher's report)

@@ -23,6 +23,11 @@ Inductor settings, ...) is put back too, and fails that run (``{"rc": "leaked", 
 
 from __future__ import annotations
 
+from trainer import startup
+
+if __name__ == "__main__":  # no collection while torch's and the trainer's imports run (trainer/startup.py)
+    startup.begin()
+
 import contextlib
 import gc
 import json
@@ -126,9 +131,10 @@ def _leaks(before: isolation.Snapshot, rank: int) -> list[str]:
 def main() -> int:
     from trainer import train
 
-    # What the imports made lives as long as the process: the full collection after each run (below) then
-    # walks only what the runs made, a few hundredths of a second instead of a few tenths per run and rank.
-    gc.freeze()
+    # What the imports made lives as long as the process: frozen, so that the full collection after each run
+    # (below) walks only what the runs made, a few hundredths of a second instead of a few tenths per run and
+    # rank; what a run leaves alive (the modules it imported, caches) is frozen after it for the same reason.
+    startup.imports_done()
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     destroy = dist.destroy_process_group
     dist.destroy_process_group = lambda *args, **kwargs: None  # train.main's; the group serves every run
@@ -150,6 +156,7 @@ def main() -> int:
                             rc = train.main(spec["argv"])
                     finally:
                         gc.collect()
+                        gc.freeze()
                 leaks = _leaks(before, rank)
             except BaseException:
                 if rank == 0:

@@ -11,6 +11,11 @@ inherits none of the test process's threads, signal handlers or torch state.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # a child: no collection while its module's imports run (trainer/startup.py)
+    from trainer import startup
+
+    startup.begin()
+
 import importlib
 import os
 import pickle
@@ -61,6 +66,8 @@ def call(fn, *args, nprocs: int = 1, timeout: float = 300) -> list:
 def _child(target: str, rank: int, folder: Path) -> int:
     module, _, name = target.partition(":")
     fn = importlib.import_module(module)
+    if __name__ == "__main__":
+        startup.imports_done()
     for part in name.split("."):
         fn = getattr(fn, part)
     try:
