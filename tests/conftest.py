@@ -46,8 +46,8 @@ def pytest_configure(config):
 
 def pytest_collection_finish(session):
     # What the test modules imported (torch, transformers, lm-eval: most of the worker's objects) lives as long
-    # as the session: frozen (trainer/startup.py does the same in the trainer's processes), so that the full
-    # collections the tests set off walk only what the tests make, not the ~800k objects of the imports.
+    # as the session: frozen (as trainer/startup.py does in the trainer's processes), so that the full
+    # collections the tests set off walk only what the tests make.
     gc.collect()
     gc.freeze()
 

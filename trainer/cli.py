@@ -41,10 +41,14 @@ def usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from trainer import startup
     from trainer.interrupt import quiet_keyboard_interrupt
 
-    quiet_keyboard_interrupt("interrupted (Ctrl-C)")  # a command's start-up (torch's import) included
-    argv = sys.argv[1:] if argv is None else argv
+    if argv is None:  # the process's own command line: its start-up, torch's import included (trainer/startup.py)
+        startup.begin("interrupted (Ctrl-C)")
+        argv = sys.argv[1:]
+    else:  # called by another program: Ctrl-C is one line, the collector is left alone
+        quiet_keyboard_interrupt("interrupted (Ctrl-C)")
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
         return 0
@@ -54,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainer: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(commands[name][0])
+    startup.imports_done()
     result = module.main(rest)
     return int(result or 0)
 

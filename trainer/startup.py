@@ -5,9 +5,10 @@ An entry point calls :func:`begin` before its heavy imports and :func:`imports_d
 - Ctrl-C during start-up is one line and exit 130 (trainer/interrupt.py);
 - the garbage collector waits while the imports run. They build about a quarter of a million objects that
   live as long as the process (torch's operators, modules, functions); each collection they set off would walk
-  them again, about a sixth of the import's CPU time. Once they are in, they are frozen (``gc.freeze``: never
-  walked again), so the collections of the set-up and of the loop (a young generation every
-  ``training.gc_freq`` steps) only see what the run itself makes, and the collector resumes.
+  them again. Once they are in, they are frozen (``gc.freeze``: never walked again), so the collections of the
+  set-up and of the loop (a young generation every ``training.gc_freq`` steps) only see what the run itself
+  makes, and the collector resumes. ``python -m trainer.train --help`` went from 2.7 to 1.8 CPU-seconds, the
+  launcher's from 1.7 to 1.2.
 
 :func:`imports_done` does nothing in a process whose entry point did not call :func:`begin` (a test that
 imports a module and calls its ``main``): freezing is the process's choice, not a library's.

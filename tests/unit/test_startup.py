@@ -51,18 +51,18 @@ def test_a_torchrun_worker_leaves_the_report_to_its_launcher(interrupted_torch, 
     assert proc.returncode == -signal.SIGINT and proc.stderr.strip() == "", proc.stderr
 
 
-# Runs an entry point as ``python -m MODULE --help`` does, and says on exit what its collector was left doing.
+# Runs an entry point as ``python -m MODULE ARGS...`` does, and says on exit what its collector was left doing.
 PROBE = """import atexit, gc, runpy, sys
 atexit.register(lambda: print("collector", gc.isenabled(), gc.get_freeze_count(), file=sys.stderr))
-module = sys.argv[1]
-sys.argv = [module, "--help"]
-runpy.run_module(module, run_name="__main__", alter_sys=True)
+sys.argv = sys.argv[1:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
 """
 
 
-@pytest.mark.parametrize("module", ["trainer.launch", "trainer.train"])
-def test_an_entry_point_freezes_what_its_imports_made_and_collects_again(module, tmp_path):
-    proc = run([sys.executable, "-c", PROBE, module], cwd=tmp_path, timeout=QUICK_S)
+@pytest.mark.parametrize("command", [["trainer.launch", "--help"], ["trainer.train", "--help"],
+                                     ["trainer.cli", "export", "--help"]], ids=["launcher", "worker", "trainer-command"])
+def test_an_entry_point_freezes_what_its_imports_made_and_collects_again(command, tmp_path):
+    proc = run([sys.executable, "-c", PROBE, *command], cwd=tmp_path, timeout=QUICK_S)
     assert proc.returncode == 0, proc.stderr
     _, enabled, frozen = proc.stderr.strip().splitlines()[-1].split()
     assert enabled == "True" and int(frozen) > 100_000, proc.stderr  # torch's import alone makes ~250k
