@@ -300,9 +300,9 @@ class Trainer:
                         self.callbacks.should_skip(self.run_view, step, loss, norm)), scaler=self.loss_scaler)
                 experts = balance_experts(self.experts, self.dims.dp_cp_mesh.get_group(), self.dims.dp_cp)
         tokens = sum(b["labels"].numel() for b in batches)
-        self.state.step = step
         self.state.tokens_seen += tokens * self.dims.dp * self.replicas.groups_taking_part
-        if self.replicas.committed:  # a step a replica group failed in is repeated, not skipped
+        if self.replicas.committed:  # a step a replica group failed in is repeated: the count stays, no skip
+            self.state.step = step
             self.state.add_skip(skip)
         self.throughput.tokens += tokens * self.dims.dp / self.world_size  # per device
         self.throughput.steps += 1
@@ -426,8 +426,9 @@ class Trainer:
         if step % config.metrics.log_freq == 0 or step == 1 or last or out["skipped"] is True:
             with record_function("log"):
                 self.log_step(step, out)
-        with obs.checkpoint():
-            self.checkpointer.maybe_save(step, last=last)
+        if self.replicas.committed:  # (a step to be repeated has nothing to save)
+            with obs.checkpoint():
+                self.checkpointer.maybe_save(step, last=last)
         obs.step_done(step)  # watchdog heartbeat, profiler step
         return out
 
@@ -459,8 +460,8 @@ class Trainer:
                     try:
                         step = self.replicas.start_step(step + 1)
                     except QuorumLost as e:
-                        with obs.checkpoint():
-                            lost = self.stop_without_quorum(e, step, start_step)
+                        with obs.checkpoint():  # the last step applied (not one that was to be repeated)
+                            lost = self.stop_without_quorum(e, self.state.step, start_step)
                         raise lost from None
                     try:
                         self.run_step(step, obs)
@@ -489,8 +490,9 @@ class Trainer:
 
     def stop_without_quorum(self, error: QuorumLost, step: int, start_step: int) -> QuorumLost:
         """No quorum can form any more (the lighthouse died, or the other groups did not come) between two
-        steps: ``step`` is complete and agreed by every group, so it is saved (as for a preemption) before
-        the group stops."""
+        steps: ``step``, the last step this group applied, is complete and agreed by every group, so it is
+        saved (as for a preemption) before the group stops. A step after it that was not committed (the
+        lighthouse died during it) was not applied and is not saved: every group saves the same step."""
         if not self.checkpointer.enabled:
             saved = "checkpoint.enable is false: nothing saved"
         elif step == start_step:

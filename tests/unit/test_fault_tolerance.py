@@ -268,3 +268,32 @@ def test_a_skipped_step_without_a_reason_says_skipped_alone():
     assert console_line(record, False).endswith("skipped")
     line = console_line({**record, "skip_reason": "not committed: a replica group failed during it; repeated"}, False)
     assert line.endswith("skipped (not committed: a replica group failed during it; repeated)")
+
+
+def test_a_quorum_lost_after_a_step_that_was_not_committed_saves_the_step_before_it(tmp_path, monkeypatch):
+    """The lighthouse can die inside a step: that step is not committed (it was to be repeated) and the next
+    quorum fails. The group saves the last step it applied, the step every other group saves too; the step it
+    could not commit is neither counted nor saved (not even on a save step)."""
+    from tests.support.launch import train_in_process
+    from trainer import train
+    from trainer.checkpoint.layout import scan_folder
+    from trainer.fault_tolerance.lighthouse_status import QuorumLost
+    from trainer.fault_tolerance.replicas import SingleGroup
+
+    class LighthouseDiesInStep4(SingleGroup):
+        def start_step(self, step):
+            if step == 5:  # the repeat of step 4 would be next: its quorum cannot form
+                raise QuorumLost("no quorum: the lighthouse died")
+            self.step = step
+            return step
+
+        def commit(self, skip):
+            self.committed = self.step != 4
+            return skip
+
+    monkeypatch.setattr(train, "build_replicas", lambda *args, **kwargs: LighthouseDiesInStep4())
+    rc, out = train_in_process(tmp_path, "--training.steps", "8", "--checkpoint.enable", "--checkpoint.interval",
+                               "2", monkeypatch=monkeypatch)
+    assert rc == QuorumLost.exit_code, out[-3000:]
+    assert "no quorum: the lighthouse died; checkpoint step-3 saved" in out, out[-3000:]
+    assert [c.step for c in scan_folder(tmp_path / "checkpoint") if c.complete] == [2, 3]
