@@ -455,7 +455,7 @@ class Trainer:
         try:
             with Observability(self.observed_run()) as obs:
                 step = start_step
-                while step < config.training.steps:
+                while self.state.step < config.training.steps:  # (a last step that was not committed is repeated)
                     # The quorum of a fault-tolerant job: a group that rejoined takes the live groups' step.
                     try:
                         step = self.replicas.start_step(step + 1)

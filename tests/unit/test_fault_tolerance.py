@@ -297,3 +297,31 @@ def test_a_quorum_lost_after_a_step_that_was_not_committed_saves_the_step_before
     assert rc == QuorumLost.exit_code, out[-3000:]
     assert "no quorum: the lighthouse died; checkpoint step-3 saved" in out, out[-3000:]
     assert [c.step for c in scan_folder(tmp_path / "checkpoint") if c.complete] == [2, 3]
+
+
+def test_a_last_step_that_was_not_committed_is_repeated_and_saved(tmp_path, monkeypatch):
+    """As torchft's quorum does: the step after an uncommitted one is that step again; the run's last step
+    too, and the final checkpoint is the last step applied."""
+    from tests.support.launch import read_metrics, train_in_process
+    from trainer import train
+    from trainer.checkpoint.layout import scan_folder
+    from trainer.fault_tolerance.replicas import SingleGroup
+
+    class LastStepFailsOnce(SingleGroup):
+        applied, failed = 0, False
+
+        def start_step(self, step):
+            self.step = self.applied + 1  # torchft: the step after the last one committed
+            return self.step
+
+        def commit(self, skip):
+            self.committed = not (self.step == 6 and not self.failed)
+            self.failed |= not self.committed
+            self.applied = self.step if self.committed else self.applied
+            return skip
+
+    monkeypatch.setattr(train, "build_replicas", lambda *args, **kwargs: LastStepFailsOnce())
+    rc, out = train_in_process(tmp_path, "--training.steps", "6", "--checkpoint.enable", monkeypatch=monkeypatch)
+    assert rc == 0, out[-3000:]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4, 5, 6, 6]
+    assert [c.step for c in scan_folder(tmp_path / "checkpoint") if c.complete and c.kind == "full"] == [6]
