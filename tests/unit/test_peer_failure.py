@@ -37,3 +37,38 @@ def test_a_lost_peer_is_one_line_and_exit_7(error, fragment, tmp_path, monkeypat
     assert rc == 7
     line = json.loads(error_file.read_text())["message"]  # what the launcher prints, once
     assert fragment in line and "\n" not in line, line
+
+
+class _Stopped(BaseException):
+    """The process ending in the middle of a write (the agent's SIGTERM, with no handler left to catch it)."""
+
+
+def test_a_worker_stopped_while_it_writes_its_line_leaves_no_half_written_file(tmp_path, monkeypatch):
+    """torchrun's agent parses the error file of every failed worker; on an empty or half-written one it ends
+    with a JSONDecodeError traceback instead of the job's failure line (seen on a two-node job whose
+    surviving rank was stopped while it wrote). A write stopped midway leaves no file; a finished one a file
+    the agent parses."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    import trainer.launch
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+
+    def stopped_midway(obj, f):
+        f.write(json.dumps(obj)[:10])
+        f.flush()
+        raise _Stopped
+
+    with monkeypatch.context() as m:
+        m.setattr(trainer.launch.json, "dump", stopped_midway)
+        with pytest.raises(_Stopped):
+            trainer.launch.record_failure("peer lost", "collective lost a peer")
+    assert list(tmp_path.iterdir()) == []
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=-15, error_file=str(error_file))  # no file: no parse
+    assert "Signal 15" in failure.message, failure.message
+
+    trainer.launch.record_failure("peer lost", "collective lost a peer\non rank 1")
+    assert [p.name for p in tmp_path.iterdir()] == ["error.json"]
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=7, error_file=str(error_file))
+    assert failure.message == "peer lost: collective lost a peer on rank 1"
