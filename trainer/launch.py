@@ -46,24 +46,19 @@ ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 def record_failure(label: str, message: str) -> None:
     """Worker side: leave this process's one-line error where torchrun's agent reads it.
 
-    Written whole or not at all (a file of its own, renamed onto the path): the agent parses the file of
-    every failed worker, and on a half-written one its own process ends with a traceback instead of the
-    job's failure line. A rank that sees another rank's failure can be stopped as it writes: the agent sends
+    Written whole or not at all (``write_file_atomic``: a file of its own, renamed onto the path): the agent
+    parses the file of every failed worker, and on a half-written one its own process ends with a traceback
+    instead of the job's failure line. A rank that sees another rank's failure can be stopped as it writes: the agent sends
     the surviving workers SIGTERM, and the training loop's handler for it is gone by then. A worker stopped
     before the rename leaves no file, and the agent reports it by its exit code."""
     path = os.environ.get(ERROR_FILE_ENV)
     if not path:
         return  # not under torchrun
+    from trainer.checkpoint.layout import write_file_atomic
+
     line = " ".join(f"{label}: {message}".split("\n"))  # the launcher prints it as one line
-    tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump({"message": line, "timestamp": int(time.time())}, f)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        write_file_atomic(Path(path), json.dumps({"message": line, "timestamp": int(time.time())}).encode())
     except OSError:
         pass  # the console line was printed already; the report just lacks it
 

@@ -4,6 +4,7 @@ it in one line with exit code 7 (trainer/errors.py: PeerLost), not the one line 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch.distributed as dist
@@ -46,8 +47,8 @@ class _Stopped(BaseException):
 def test_a_worker_stopped_while_it_writes_its_line_leaves_no_half_written_file(tmp_path, monkeypatch):
     """torchrun's agent parses the error file of every failed worker; on an empty or half-written one it ends
     with a JSONDecodeError traceback instead of the job's failure line (seen on a two-node job whose
-    surviving rank was stopped while it wrote). A write stopped midway leaves no file; a finished one a file
-    the agent parses."""
+    surviving rank was stopped while it wrote). A write stopped before it is whole leaves no file; a finished
+    one a file the agent parses."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     import trainer.launch
@@ -55,13 +56,11 @@ def test_a_worker_stopped_while_it_writes_its_line_leaves_no_half_written_file(t
     error_file = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
 
-    def stopped_midway(obj, f):
-        f.write(json.dumps(obj)[:10])
-        f.flush()
+    def stopped_before_the_rename(src, dst):
         raise _Stopped
 
     with monkeypatch.context() as m:
-        m.setattr(trainer.launch.json, "dump", stopped_midway)
+        m.setattr(os, "replace", stopped_before_the_rename)
         with pytest.raises(_Stopped):
             trainer.launch.record_failure("peer lost", "collective lost a peer")
     assert list(tmp_path.iterdir()) == []

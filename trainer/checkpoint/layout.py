@@ -278,13 +278,17 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_file_atomic(path: Path, data: bytes) -> None:
-    """Write ``path`` so that a crash leaves either the old file or the whole new one, never a part."""
+    """Write ``path`` so that a crash leaves either the old file or the whole new one, never a part (and a
+    write that fails in this process leaves no ``.part`` file either)."""
     tmp = path.with_name(path.name + ".part")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
 
 
